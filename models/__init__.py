@@ -1,0 +1,9 @@
+"""Everything about a face model that training, evaluation and serving share.
+
+The single face path (DESIGN.md "One face, one path")::
+
+    bytes -> decode_image -> MTCNNDetector.detect -> align_faces -> Embedder.embed -> cosine
+
+Nothing in this package imports torch at import time; the PyTorch network definitions under
+``models.nets`` are imported only by training, export and import commands.
+"""

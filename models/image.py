@@ -1,0 +1,74 @@
+"""Decoding photo bytes into RGB arrays, honouring EXIF orientation, with size limits."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from models.errors import ImageTooLargeError, UnreadableImageError
+
+#: Default limits: 20 MB of encoded bytes, 40 megapixels decoded.
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+def decode_image(
+    data: bytes,
+    *,
+    max_bytes: int = MAX_IMAGE_BYTES,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> np.ndarray:
+    """Decode encoded image bytes (JPEG, PNG, WebP, BMP, ...) into an RGB array.
+
+    Returns a ``(H, W, 3)`` uint8 array in RGB order, rotated upright according to the EXIF
+    orientation tag. Alpha channels are dropped; greyscale and palette images become RGB.
+
+    Raises:
+        UnreadableImageError: the bytes are empty, truncated or not an image.
+        ImageTooLargeError: more than ``max_bytes`` bytes or ``max_pixels`` pixels; the pixel
+            count is checked from the header, before the pixels are decoded.
+    """
+    if len(data) == 0:
+        raise UnreadableImageError("the image is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise ImageTooLargeError(
+            f"the image is {len(data)} bytes; the limit is {max_bytes} bytes"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageTooLargeError(
+                    f"the image is {width}x{height} = {width * height} pixels; "
+                    f"the limit is {max_pixels} pixels"
+                )
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            rgb = image.convert("RGB")
+    except ImageTooLargeError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageTooLargeError(f"the image is too large to decode safely: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise UnreadableImageError("the data is not an image in a format that can be read") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise UnreadableImageError(f"the image could not be decoded: {exc}") from exc
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def read_image(path: str | Path, **limits: int) -> np.ndarray:
+    """Read and decode an image file; see :func:`decode_image`."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise UnreadableImageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        return decode_image(data, **limits)
+    except UnreadableImageError as exc:
+        raise UnreadableImageError(f"{path}: {exc.message}") from exc

@@ -1,0 +1,1 @@
+"""The FastAPI face service and the ``sphereface`` command line. Never imports torch."""

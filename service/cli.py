@@ -1,0 +1,133 @@
+"""The ``sphereface`` command line.
+
+Each subcommand imports what it needs only when it runs, so ``sphereface serve`` never loads
+torch and ``sphereface --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from models.errors import FacePathError
+
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import", help="convert third-party weights into model folders")
+    which = p.add_subparsers(dest="network", required=True)
+
+    mfn = which.add_parser(
+        "mobilefacenet", help="a MobileFaceNet checkpoint (112x96, SphereFace template) -> ONNX"
+    )
+    mfn.add_argument("checkpoint", help="PyTorch checkpoint with a 'net_state_dict'")
+    mfn.add_argument("--out", required=True, help="model folder to write")
+    mfn.add_argument("--name", default="mobilefacenet_casia", help="model name in the manifest")
+    mfn.set_defaults(func=_run_import_mobilefacenet)
+
+    mtcnn = which.add_parser("mtcnn", help="facenet-pytorch's MTCNN weights -> P/R/O-Net ONNX")
+    mtcnn.add_argument(
+        "source", help="facenet-pytorch wheel (.whl) or a folder with pnet.pt, rnet.pt, onet.pt"
+    )
+    mtcnn.add_argument("--out", default=None, help="folder to write (default: the package's)")
+    mtcnn.set_defaults(func=_run_import_mtcnn)
+
+
+def _run_import_mobilefacenet(args: argparse.Namespace) -> int:
+    from models.importers import import_mobilefacenet
+
+    manifest = import_mobilefacenet(args.checkpoint, args.out, name=args.name)
+    print(f"wrote {args.out} ({manifest.model_id}, {manifest.embedding_size}-d)")
+    return 0
+
+
+def _run_import_mtcnn(args: argparse.Namespace) -> int:
+    from models.mtcnn_convert import convert_mtcnn
+
+    for path in convert_mtcnn(args.source, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="evaluation jobs")
+    which = p.add_subparsers(dest="benchmark", required=True)
+    lfw = which.add_parser("lfw", help="LFW, official SphereFace 10-fold protocol")
+    lfw.add_argument("--model", required=True, help="model folder (model.onnx + manifest.json)")
+    lfw.add_argument("--data", required=True, help="LFW folder with images/, pairs.txt")
+    lfw.add_argument(
+        "--landmarks",
+        choices=("file", "detect"),
+        default="file",
+        help="file: DATA/landmarks.txt; detect: our MTCNN on the photos (face nearest the centre)",
+    )
+    lfw.add_argument("--json", dest="json_out", default=None, help="write every number here")
+    lfw.add_argument("--plot", default=None, help="write the ROC curve here (PNG)")
+    lfw.add_argument("--providers", default="cpu", help="execution providers, e.g. cuda,cpu")
+    lfw.add_argument("--batch-size", type=int, default=64)
+    lfw.set_defaults(func=_run_evaluate_lfw)
+
+
+def _run_evaluate_lfw(args: argparse.Namespace) -> int:
+    from training.lfw import run_lfw_evaluation
+
+    result = run_lfw_evaluation(
+        model_dir=args.model,
+        data_dir=args.data,
+        landmarks=args.landmarks,
+        json_out=args.json_out,
+        plot_out=args.plot,
+        providers=args.providers,
+        batch_size=args.batch_size,
+    )
+    print(result.summary())
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the REST service")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--model", default=None, help="model folder")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from service.main import serve
+
+    return serve(host=args.host, port=args.port, model=args.model, data_dir=args.data_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sphereface",
+        description="SphereFace / SphereFace+ face recognition: import, evaluate, serve.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_import(sub)
+    _add_evaluate(sub)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except FacePathError as exc:
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error [file_not_found]: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

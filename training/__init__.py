@@ -1,0 +1,1 @@
+"""Training, export and evaluation jobs (these may import torch)."""
