@@ -1,0 +1,318 @@
+"""MTCNN face detector (Zhang et al. 2016) on ONNX Runtime: boxes, scores and 5 landmarks.
+
+Three cascaded networks: P-Net scans an image pyramid for candidate windows, R-Net rejects and
+refines them on 24x24 crops, O-Net scores them on 48x48 crops and places 5 landmarks. Between
+stages, candidate boxes are regressed, squared and thinned by non-maximum suppression.
+
+Coordinates are 0-based pixels; a box ``(x1, y1, x2, y2)`` includes both corner pixels (the
+convention of the original MATLAB code, whose box widths are ``x2 - x1 + 1``). Landmarks are
+``(5, 2)`` (x, y): left eye, right eye, nose, left mouth corner, right mouth corner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from models.mtcnn_convert import DEFAULT_MTCNN_DIR
+from models.runtime import create_session, session_provider
+
+FACE_POLICIES = ("largest", "central", "all")
+
+
+@dataclass
+class DetectedFace:
+    """One detected face.
+
+    Attributes:
+        box: ``(4,)`` float ``x1, y1, x2, y2`` in pixels of the (EXIF-rotated) photo.
+        score: O-Net face probability in [0, 1].
+        landmarks: ``(5, 2)`` float (x, y) pixel coordinates.
+    """
+
+    box: np.ndarray
+    score: float
+    landmarks: np.ndarray
+
+    @property
+    def area(self) -> float:
+        return float((self.box[2] - self.box[0] + 1) * (self.box[3] - self.box[1] + 1))
+
+    @property
+    def center(self) -> np.ndarray:
+        return np.array([(self.box[0] + self.box[2]) / 2, (self.box[1] + self.box[3]) / 2])
+
+
+def select_faces(
+    faces: Sequence[DetectedFace], policy: str, image_shape: Sequence[int]
+) -> list[DetectedFace]:
+    """Keep the faces a caller asked for.
+
+    Args:
+        faces: detections of one photo.
+        policy: ``largest`` (biggest box), ``central`` (box centre nearest the photo centre) or
+            ``all`` (every face, largest first).
+        image_shape: the photo's ``(H, W, ...)``.
+    """
+    if policy not in FACE_POLICIES:
+        raise ValueError(f"unknown face policy {policy!r}; choose one of {FACE_POLICIES}")
+    if not faces:
+        return []
+    by_size = sorted(faces, key=lambda f: f.area, reverse=True)
+    if policy == "all":
+        return by_size
+    if policy == "largest":
+        return by_size[:1]
+    centre = np.array([(image_shape[1] - 1) / 2, (image_shape[0] - 1) / 2])
+    return [min(faces, key=lambda f: float(np.sum((f.center - centre) ** 2)))]
+
+
+def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
+    """Greedy non-maximum suppression; returns kept indices, best score first.
+
+    ``mode="union"`` uses intersection over union, ``"min"`` intersection over the smaller box.
+    Boxes are inclusive pixel boxes ``(x1, y1, x2, y2)``.
+    """
+    if len(boxes) == 0:
+        return np.zeros(0, dtype=np.int64)
+    x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+    areas = (x2 - x1 + 1) * (y2 - y1 + 1)
+    order = np.argsort(-scores, kind="stable")
+    keep = []
+    while order.size:
+        i = order[0]
+        keep.append(i)
+        rest = order[1:]
+        w = np.maximum(0.0, np.minimum(x2[i], x2[rest]) - np.maximum(x1[i], x1[rest]) + 1)
+        h = np.maximum(0.0, np.minimum(y2[i], y2[rest]) - np.maximum(y1[i], y1[rest]) + 1)
+        inter = w * h
+        if mode == "min":
+            overlap = inter / np.minimum(areas[i], areas[rest])
+        else:
+            overlap = inter / (areas[i] + areas[rest] - inter)
+        order = rest[overlap <= threshold]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _batched_nms(
+    boxes: np.ndarray, scores: np.ndarray, groups: np.ndarray, threshold: float, mode: str = "union"
+) -> np.ndarray:
+    """NMS separately within each group (photo); boxes of different groups never suppress."""
+    if len(boxes) == 0:
+        return np.zeros(0, dtype=np.int64)
+    # Shift each group far away from the others so one NMS pass keeps them apart.
+    offset = (boxes[:, :4].max() + 2) * groups.astype(np.float64)
+    return nms(boxes + offset[:, None], scores, threshold, mode)
+
+
+def _regress(boxes: np.ndarray, reg: np.ndarray) -> np.ndarray:
+    """Apply box regression offsets (fractions of width/height) to inclusive boxes."""
+    w = boxes[:, 2] - boxes[:, 0] + 1
+    h = boxes[:, 3] - boxes[:, 1] + 1
+    return boxes + reg * np.stack([w, h, w, h], axis=1)
+
+
+def _square(boxes: np.ndarray) -> np.ndarray:
+    """Grow boxes into squares around their centres (MTCNN's ``rerec``)."""
+    w = boxes[:, 2] - boxes[:, 0]
+    h = boxes[:, 3] - boxes[:, 1]
+    side = np.maximum(w, h)
+    x1 = boxes[:, 0] + w * 0.5 - side * 0.5
+    y1 = boxes[:, 1] + h * 0.5 - side * 0.5
+    return np.stack([x1, y1, x1 + side, y1 + side], axis=1)
+
+
+def _normalize(batch: np.ndarray) -> np.ndarray:
+    """uint8 NHWC RGB -> float32 NCHW, ``(x - 127.5) / 128``."""
+    x = batch.astype(np.float32)
+    x -= 127.5
+    x *= 0.0078125
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+class MTCNNDetector:
+    """Batched MTCNN on ONNX Runtime.
+
+    Args:
+        providers: execution providers in preference order (``"cpu"``, ``"cuda,cpu"``).
+        weights_dir: folder with ``pnet.onnx``, ``rnet.onnx``, ``onet.onnx`` (default: the
+            package's, made by ``sphereface import mtcnn``).
+        min_face_size: smallest face to find, in pixels (sets the pyramid's first scale).
+        thresholds: face-probability thresholds of P-Net, R-Net and O-Net.
+        scale_factor: ratio between pyramid levels.
+        intra_op_threads: ONNX Runtime threads per operator (0: one per core).
+    """
+
+    def __init__(
+        self,
+        providers: str | Sequence[str] = "cpu",
+        *,
+        weights_dir: str | Path | None = None,
+        min_face_size: float = 20.0,
+        thresholds: tuple[float, float, float] = (0.6, 0.7, 0.9),
+        scale_factor: float = 0.709,
+        intra_op_threads: int = 0,
+        allow_fallback: bool = False,
+    ) -> None:
+        if min_face_size < 12:
+            raise ValueError("min_face_size must be at least 12 pixels (P-Net's window)")
+        if not 0 < scale_factor < 1:
+            raise ValueError("scale_factor must be in (0, 1)")
+        weights = Path(weights_dir) if weights_dir else DEFAULT_MTCNN_DIR
+        missing = [n for n in ("pnet", "rnet", "onet") if not (weights / f"{n}.onnx").is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"MTCNN weights {missing} not found in {weights}; run "
+                "`sphereface import mtcnn facenet_pytorch-2.6.0-py3-none-any.whl`"
+            )
+        self.min_face_size = float(min_face_size)
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.scale_factor = float(scale_factor)
+        self.nms_thresholds = (0.5, 0.7, 0.7, 0.7)  # per scale, across scales, R-Net, O-Net
+        opts = {"intra_op_threads": intra_op_threads, "allow_fallback": allow_fallback}
+        self.pnet = create_session(weights / "pnet.onnx", providers, **opts)
+        self.rnet = create_session(weights / "rnet.onnx", providers, **opts)
+        self.onet = create_session(weights / "onet.onnx", providers, **opts)
+
+    @property
+    def provider(self) -> str:
+        return session_provider(self.pnet)
+
+    def detect(self, image: np.ndarray) -> list[DetectedFace]:
+        """Faces in one ``(H, W, 3)`` uint8 RGB photo, highest score first."""
+        return self.detect_batch([image])[0]
+
+    def detect_batch(self, images: Sequence[np.ndarray]) -> list[list[DetectedFace]]:
+        """Faces in several photos (any sizes); R-Net and O-Net run once over all candidates."""
+        pils = [self._as_pil(img) for img in images]
+        boxes, groups = self._stage_pnet(pils)
+        boxes, groups = self._stage_rnet(pils, boxes, groups)
+        boxes, groups, points = self._stage_onet(pils, boxes, groups)
+        results: list[list[DetectedFace]] = [[] for _ in images]
+        for box, group, pts in zip(boxes, groups, points, strict=True):
+            results[group].append(DetectedFace(box=box[:4].copy(), score=float(box[4]), landmarks=pts))
+        for faces in results:
+            faces.sort(key=lambda f: f.score, reverse=True)
+        return results
+
+    def landmarks_in_box(self, image: np.ndarray, box: Sequence[float]) -> DetectedFace:
+        """Run O-Net alone on a given box (e.g. a fallback region when detection found nothing).
+
+        The box is squared first, as in the cascade; its score is O-Net's, whatever it is.
+        """
+        pil = self._as_pil(image)
+        square = _square(np.asarray(box, dtype=np.float64)[None, :4])
+        prob, reg, marks = self._run_net(self.onet, self._crops(pil, square, 48))
+        points = self._landmarks(square, marks)[0]
+        return DetectedFace(box=_regress(square, reg)[0], score=float(prob[0]), landmarks=points)
+
+    @staticmethod
+    def _as_pil(image: np.ndarray) -> Image.Image:
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"expected an (H, W, 3) uint8 RGB image, got {image.shape} {image.dtype}")
+        return Image.fromarray(image)
+
+    def _scales(self, height: int, width: int) -> list[float]:
+        scale = 12.0 / self.min_face_size
+        side = min(height, width) * scale
+        scales = []
+        while side >= 12:
+            scales.append(scale)
+            scale *= self.scale_factor
+            side *= self.scale_factor
+        return scales
+
+    def _stage_pnet(self, pils: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+        all_boxes, all_groups = [], []
+        for group, pil in enumerate(pils):
+            width, height = pil.size
+            per_scale = []
+            for scale in self._scales(height, width):
+                size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
+                level = np.asarray(pil.resize(size, Image.Resampling.BOX))
+                prob, reg = self.pnet.run(None, {"image": _normalize(level[None])})
+                found = self._pnet_boxes(prob[0], reg[0], scale)
+                if len(found):
+                    per_scale.append(found[nms(found[:, :4], found[:, 4], self.nms_thresholds[0])])
+            if per_scale:
+                boxes = np.concatenate(per_scale)
+                boxes = boxes[nms(boxes[:, :4], boxes[:, 4], self.nms_thresholds[1])]
+                all_boxes.append(boxes)
+                all_groups.append(np.full(len(boxes), group))
+        if not all_boxes:
+            return np.zeros((0, 5)), np.zeros(0, dtype=np.int64)
+        boxes = np.concatenate(all_boxes)
+        refined = _square(_regress(boxes[:, :4], boxes[:, 5:9]))
+        return np.concatenate([refined, boxes[:, 4:5]], axis=1), np.concatenate(all_groups)
+
+    def _pnet_boxes(self, prob: np.ndarray, reg: np.ndarray, scale: float) -> np.ndarray:
+        """Candidate windows of one pyramid level: rows ``x1, y1, x2, y2, score, reg(4)``."""
+        stride, cell = 2, 12
+        ys, xs = np.nonzero(prob >= self.thresholds[0])
+        if len(ys) == 0:
+            return np.zeros((0, 9))
+        # MATLAB: fix((stride*(bb-1)+1)/scale) with 1-based bb and output, here made 0-based.
+        x1 = np.floor((stride * xs + 1) / scale) - 1
+        y1 = np.floor((stride * ys + 1) / scale) - 1
+        x2 = np.floor((stride * xs + cell) / scale) - 1
+        y2 = np.floor((stride * ys + cell) / scale) - 1
+        return np.column_stack([x1, y1, x2, y2, prob[ys, xs], reg[:, ys, xs].T])
+
+    @staticmethod
+    def _crops(pil: Image.Image, boxes: np.ndarray, size: int) -> np.ndarray:
+        """Cut integer boxes (zero-padded outside the photo) and resize them to ``size``."""
+        out = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
+        for i, (x1, y1, x2, y2) in enumerate(np.trunc(boxes[:, :4]).astype(np.int64)):
+            region = pil.crop((int(x1), int(y1), int(x2) + 1, int(y2) + 1))
+            out[i] = np.asarray(region.resize((size, size), Image.Resampling.BOX))
+        return out
+
+    def _crops_all(self, pils: list[Image.Image], boxes: np.ndarray, groups: np.ndarray, size: int):
+        crops = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
+        for group in np.unique(groups):
+            idx = np.nonzero(groups == group)[0]
+            crops[idx] = self._crops(pils[group], boxes[idx], size)
+        return crops
+
+    @staticmethod
+    def _run_net(session, crops: np.ndarray, chunk: int = 1024) -> list[np.ndarray]:
+        outs = [session.run(None, {"image": _normalize(crops[i : i + chunk])}) for i in range(0, len(crops), chunk)]
+        return [np.concatenate(parts) for parts in zip(*outs, strict=True)]
+
+    def _stage_rnet(self, pils, boxes: np.ndarray, groups: np.ndarray):
+        if len(boxes) == 0:
+            return boxes, groups
+        boxes = np.trunc(boxes)
+        prob, reg = self._run_net(self.rnet, self._crops_all(pils, boxes, groups, 24))
+        keep = prob > self.thresholds[1]
+        boxes, groups, reg = boxes[keep], groups[keep], reg[keep]
+        boxes[:, 4] = prob[keep]
+        pick = _batched_nms(boxes[:, :4], boxes[:, 4], groups, self.nms_thresholds[2])
+        boxes, groups, reg = boxes[pick], groups[pick], reg[pick]
+        refined = _square(_regress(boxes[:, :4], reg))
+        return np.concatenate([refined, boxes[:, 4:5]], axis=1), groups
+
+    def _stage_onet(self, pils, boxes: np.ndarray, groups: np.ndarray):
+        if len(boxes) == 0:
+            return boxes, groups, np.zeros((0, 5, 2))
+        boxes = np.trunc(boxes)
+        prob, reg, marks = self._run_net(self.onet, self._crops_all(pils, boxes, groups, 48))
+        keep = prob > self.thresholds[2]
+        boxes, groups, reg, marks = boxes[keep], groups[keep], reg[keep], marks[keep]
+        points = self._landmarks(boxes, marks)
+        boxes = np.concatenate([_regress(boxes[:, :4], reg), prob[keep][:, None]], axis=1)
+        pick = _batched_nms(boxes[:, :4], boxes[:, 4], groups, self.nms_thresholds[3], mode="min")
+        return boxes[pick], groups[pick], points[pick]
+
+    @staticmethod
+    def _landmarks(boxes: np.ndarray, marks: np.ndarray) -> np.ndarray:
+        """O-Net's landmark fractions -> ``(N, 5, 2)`` pixel coordinates in the photo."""
+        w = (boxes[:, 2] - boxes[:, 0] + 1)[:, None]
+        h = (boxes[:, 3] - boxes[:, 1] + 1)[:, None]
+        xs = boxes[:, 0:1] + w * marks[:, 0:5]
+        ys = boxes[:, 1:2] + h * marks[:, 5:10]
+        return np.stack([xs, ys], axis=2)
