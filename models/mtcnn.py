@@ -280,7 +280,10 @@ class MTCNNDetector:
 
     @staticmethod
     def _run_net(session, crops: np.ndarray, chunk: int = 1024) -> list[np.ndarray]:
-        outs = [session.run(None, {"image": _normalize(crops[i : i + chunk])}) for i in range(0, len(crops), chunk)]
+        outs = [
+            session.run(None, {"image": _normalize(crops[i : i + chunk])})
+            for i in range(0, len(crops), chunk)
+        ]
         return [np.concatenate(parts) for parts in zip(*outs, strict=True)]
 
     def _stage_rnet(self, pils, boxes: np.ndarray, groups: np.ndarray):
