@@ -18,8 +18,7 @@ def preprocess(crops: np.ndarray, manifest: ModelManifest) -> np.ndarray:
     """
     if crops.ndim != 4 or crops.shape[1:] != (manifest.input_height, manifest.input_width, 3):
         raise ValueError(
-            f"crops must be (N, {manifest.input_height}, {manifest.input_width}, 3) uint8, "
-            f"got {crops.shape}"
+            f"crops must be (N, {manifest.input_height}, {manifest.input_width}, 3) uint8, got {crops.shape}"
         )
     x = crops.astype(np.float32)
     if manifest.color_order == "BGR":
@@ -96,4 +95,3 @@ class Embedder:
         else:
             fused = original + mirrored
         return l2_normalize(fused)
-

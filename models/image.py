@@ -35,9 +35,7 @@ def decode_image(
     if len(data) == 0:
         raise UnreadableImageError("the image is empty (0 bytes)")
     if len(data) > max_bytes:
-        raise ImageTooLargeError(
-            f"the image is {len(data)} bytes; the limit is {max_bytes} bytes"
-        )
+        raise ImageTooLargeError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
