@@ -1,0 +1,193 @@
+"""PyTorch -> ONNX export with a dynamic batch axis, and a numerical parity check on ONNX Runtime.
+
+Shared by the third-party importers (:mod:`models.importers`) and the training export. Needs
+torch (the ``train`` extra): import this module only from import, training and export commands.
+
+Every exported embedding model has one input ``"input"`` ``(N, C, H, W)`` float32 and one output
+``"embedding"`` ``(N, D)``, N dynamic, as :class:`models.embedder.Embedder` expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from models.errors import ModelFolderError
+from models.runtime import create_session
+
+log = logging.getLogger(__name__)
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "embedding"
+
+#: Loggers of the exporter's stack that report every graph pass at INFO; quietened during export.
+_CHATTY_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
+
+
+class OnnxParityError(ModelFolderError):
+    """The ONNX model's output differs from the PyTorch module's by more than the tolerance."""
+
+    code = "onnx_parity"
+
+
+@contextlib.contextmanager
+def _quiet_exporter_logs() -> Iterator[None]:
+    saved = {name: logging.getLogger(name).level for name in _CHATTY_LOGGERS}
+    with warnings.catch_warnings():
+        # torch.export's own use of a deprecated pytree API, not something the caller can fix.
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        try:
+            for name in _CHATTY_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            yield
+        finally:
+            for name, level in saved.items():
+                logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Put ``module`` in eval mode for the block and restore its previous mode afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def export_onnx(
+    module: torch.nn.Module,
+    path: str | Path,
+    input_shape: tuple[int, int, int] = (3, 112, 96),
+    opset: int = 17,
+    *,
+    exporter: Literal["dynamo", "torchscript"] = "dynamo",
+) -> Path:
+    """Export ``module`` (run in eval mode) to a single self-contained ONNX file.
+
+    Args:
+        module: maps a float32 ``(N, *input_shape)`` tensor to ``(N, D)``. Its train/eval mode is
+            restored afterwards; it stays on its device.
+        path: the ``.onnx`` file to write (parent folders are created).
+        input_shape: ``(C, H, W)`` of one input.
+        opset: ONNX opset of the default domain. The torch.export-based exporter builds opset
+            18 graphs and converts them down; a warning is logged if the file ends up with
+            another opset.
+        exporter: ``"dynamo"`` (default): ``torch.onnx.export(dynamo=True)``, the
+            torch.export-based exporter that is the supported path since torch 2.9;
+            ``"torchscript"``: the legacy TorchScript exporter (deprecated; faster, kept as a
+            fallback for modules torch.export cannot trace).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`. The graph has input ``"input"`` and output
+        ``"embedding"``, both with a dynamic batch axis named ``"batch"``.
+    """
+    import onnx
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Batch 2, not 1: tracing with a size-1 dimension invites specialising it to a constant.
+    sample = torch.zeros((2, *input_shape), dtype=torch.float32, device=_module_device(module))
+    with _eval_mode(module), torch.no_grad():
+        if exporter == "dynamo":
+            with _quiet_exporter_logs():
+                torch.onnx.export(
+                    module,
+                    (sample,),
+                    str(path),
+                    input_names=[INPUT_NAME],
+                    output_names=[OUTPUT_NAME],
+                    opset_version=opset,
+                    dynamo=True,
+                    dynamic_shapes=({0: torch.export.Dim("batch")},),
+                    external_data=False,
+                    verbose=False,
+                )
+        elif exporter == "torchscript":
+            torch.onnx.export(
+                module,
+                (sample,),
+                str(path),
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                opset_version=opset,
+                dynamo=False,
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            )
+        else:
+            raise ValueError(f"exporter must be 'dynamo' or 'torchscript', not {exporter!r}")
+
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    got_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if got_opset != opset:
+        log.warning("%s: asked for ONNX opset %d, the exporter wrote opset %s", path, opset, got_opset)
+    inputs = [i.name for i in model.graph.input]
+    outputs = [o.name for o in model.graph.output]
+    if inputs != [INPUT_NAME] or outputs != [OUTPUT_NAME]:
+        raise ModelFolderError(
+            f"exported graph has inputs {inputs} and outputs {outputs}; "
+            f"expected [{INPUT_NAME!r}] and [{OUTPUT_NAME!r}]"
+        )
+    log.debug("exported %s (%s exporter, opset %s)", path, exporter, got_opset)
+    return path
+
+
+def check_onnx_parity(
+    module: torch.nn.Module,
+    onnx_path: str | Path,
+    batch_sizes: Sequence[int] = (1, 8),
+    atol: float = 1e-4,
+    seed: int = 0,
+) -> float:
+    """Compare ``module`` (eval mode, float32) with the ONNX file on ONNX Runtime's CPU provider.
+
+    For each batch size, a standard-normal input ``(N, C, H, W)`` (the shape read from the ONNX
+    graph, seeded by ``seed``) goes through both; the largest absolute output difference over
+    all batch sizes is returned.
+
+    Raises:
+        OnnxParityError: the difference exceeds ``atol``, or the output shapes differ.
+    """
+    session = create_session(onnx_path, "cpu")
+    onnx_input = session.get_inputs()[0]
+    chw = tuple(onnx_input.shape[1:])
+    if not all(isinstance(d, int) for d in chw):
+        raise ModelFolderError(f"{onnx_path}: input shape {onnx_input.shape} is not fixed beyond the batch")
+    rng = np.random.default_rng(seed)
+    device = _module_device(module)
+    worst = 0.0
+    with _eval_mode(module), torch.no_grad():
+        for n in batch_sizes:
+            x = rng.standard_normal((n, *chw)).astype(np.float32)
+            expected = module(torch.from_numpy(x).to(device)).float().cpu().numpy()
+            got = session.run(None, {onnx_input.name: x})[0]
+            if got.shape != expected.shape:
+                raise OnnxParityError(
+                    f"{onnx_path}: batch {n}: ONNX output shape {got.shape} != PyTorch {expected.shape}"
+                )
+            diff = float(np.max(np.abs(got - expected))) if got.size else 0.0
+            log.debug("parity batch %d: max abs diff %.3g", n, diff)
+            if not diff <= atol:  # also catches NaN
+                raise OnnxParityError(
+                    f"{onnx_path}: ONNX Runtime and PyTorch differ by {diff:.3g} (max abs) at batch {n}, "
+                    f"more than the tolerance {atol:g}"
+                )
+            worst = max(worst, diff)
+    return worst
