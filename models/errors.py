@@ -42,3 +42,17 @@ class ProviderUnavailableError(FacePathError):
 
     code = "provider_unavailable"
     http_status = 500
+
+
+class NoFaceError(FacePathError):
+    """No face was found in a photo that needs one."""
+
+    code = "no_face"
+    http_status = 422
+
+
+class MultipleFacesError(FacePathError):
+    """A photo that must show one face shows several (policy ``reject``)."""
+
+    code = "multiple_faces"
+    http_status = 422

@@ -1,0 +1,95 @@
+"""The whole face path in one object: photo -> faces -> aligned crops -> embeddings.
+
+Dataset preparation, evaluation and the service call this (or its parts) so every face is cut
+the same way (DESIGN.md "One face, one path").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from models.align import align_faces, get_template
+from models.embedder import Embedder
+from models.errors import MultipleFacesError, NoFaceError
+from models.mtcnn import DEFAULT_THRESHOLDS, DetectedFace, MTCNNDetector, select_faces
+
+#: What to do with a photo that shows several faces when one is expected.
+MULTIPLE_FACE_POLICIES = ("reject", "largest", "central", "all")
+
+
+@dataclass
+class EmbeddedFace:
+    """A detected face with its fused, L2-normalised embedding (cosine = dot product)."""
+
+    face: DetectedFace
+    embedding: np.ndarray
+
+
+class FacePipeline:
+    """Detector + alignment + embedder for one model folder.
+
+    Args:
+        model_dir: folder with ``model.onnx`` and ``manifest.json``.
+        providers: ONNX Runtime providers for both networks, e.g. ``"cpu"`` or ``"cuda,cpu"``.
+        min_face_size: smallest face to detect, pixels.
+        thresholds: MTCNN stage thresholds.
+        intra_op_threads: ONNX Runtime threads per operator (0: one per core).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        providers: str | Sequence[str] = "cpu",
+        *,
+        min_face_size: float = 20.0,
+        thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS,
+        intra_op_threads: int = 0,
+        batch_size: int = 32,
+    ) -> None:
+        self.embedder = Embedder(
+            model_dir, providers, batch_size=batch_size, intra_op_threads=intra_op_threads
+        )
+        self.detector = MTCNNDetector(
+            providers,
+            min_face_size=min_face_size,
+            thresholds=thresholds,
+            intra_op_threads=intra_op_threads,
+        )
+        self.template = get_template(self.embedder.manifest.template)
+
+    @property
+    def manifest(self):
+        return self.embedder.manifest
+
+    def faces(self, image: np.ndarray, policy: str = "all") -> list[EmbeddedFace]:
+        """Detect, select (see :data:`MULTIPLE_FACE_POLICIES`), align and embed faces of a photo.
+
+        Raises:
+            NoFaceError: no face was found.
+            MultipleFacesError: several faces and ``policy="reject"``.
+        """
+        if policy not in MULTIPLE_FACE_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {MULTIPLE_FACE_POLICIES}")
+        found = self.detector.detect(image)
+        if not found:
+            raise NoFaceError("no face was found in the photo")
+        if policy == "reject":
+            if len(found) > 1:
+                raise MultipleFacesError(
+                    f"the photo shows {len(found)} faces; send a photo of one face "
+                    "or choose another multiple-face policy (largest, central, all)"
+                )
+            chosen = found
+        else:
+            chosen = select_faces(found, policy, image.shape)
+        crops = align_faces(image, np.stack([f.landmarks for f in chosen]), self.template)
+        embeddings = self.embedder.embed(crops)
+        return [EmbeddedFace(face=f, embedding=e) for f, e in zip(chosen, embeddings, strict=True)]
+
+    def embed_aligned(self, crops: np.ndarray) -> np.ndarray:
+        """Embed crops that are already aligned to the model's template."""
+        return self.embedder.embed(crops)

@@ -1,0 +1,143 @@
+"""The REST API on real photos: verify, embed, health, and typed errors for bad input."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from service.app import create_app
+from service.settings import Settings
+
+pytestmark = pytest.mark.shared_data
+
+
+@pytest.fixture(scope="module")
+def model_with_threshold(reference_model_dir: Path, tmp_path_factory) -> Path:
+    """The reference model with a verification threshold in its manifest."""
+    out = tmp_path_factory.mktemp("thr") / "model"
+    shutil.copytree(reference_model_dir, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["thresholds"]["verification"] = {"value": 0.3, "far": None, "source": "test"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(model_with_threshold: Path):
+    app = create_app(Settings(model_dir=model_with_threshold, max_image_pixels=5_000_000))
+    with TestClient(app) as c:
+        yield c
+
+
+def _people(photos_dir: Path) -> dict[str, list[Path]]:
+    return {d.name: sorted(d.glob("*.jpg")) for d in sorted((photos_dir / "people").iterdir())}
+
+
+def _verify(client, a: Path, b: Path) -> dict:
+    r = client.post("/v1/verify", files={"photo1": a.open("rb"), "photo2": b.open("rb")})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_health_and_readiness(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["model_id"] == "mobilefacenet_casia@068"
+
+
+def test_genuine_pairs_score_above_impostor_pairs(client, photos_dir):
+    people = _people(photos_dir)
+    genuine = [_verify(client, *pair)["score"] for photos in people.values() for pair in [photos[:2]]]
+    firsts = [photos[0] for photos in people.values()]
+    impostor = [_verify(client, a, b)["score"] for a, b in itertools.combinations(firsts, 2)][:8]
+    assert min(genuine) > max(impostor)
+
+
+def test_verify_decides_with_the_manifest_threshold(client, photos_dir):
+    people = _people(photos_dir)
+    same = _verify(client, people["obama"][0], people["obama"][1])
+    other = _verify(client, people["obama"][0], people["biden"][0])
+    assert same["same_person"] is True and other["same_person"] is False
+    assert same["threshold"] == 0.3 and -1 <= other["score"] <= 1
+    assert len(same["faces"]) == 2 and len(same["faces"][0]["landmarks"]) == 5
+
+
+def test_embed_returns_both_faces_of_a_two_face_photo(client, photos_dir):
+    path = photos_dir / "scenes" / "two_faces_kit_rose.jpg"
+    r = client.post("/v1/embed", files=[("photos", path.open("rb"))])
+    body = r.json()
+    assert r.status_code == 200 and body["embedding_size"] == 256
+    faces = body["photos"][0]["faces"]
+    assert len(faces) == 2
+    for face in faces:
+        assert np.isclose(np.linalg.norm(face["embedding"]), 1.0, atol=1e-4)
+
+
+def test_embed_reports_each_photo_status(client, photos_dir):
+    blank = io.BytesIO()
+    Image.new("RGB", (200, 200), (128, 128, 128)).save(blank, format="PNG")
+    files = [
+        ("photos", (photos_dir / "scenes" / "single_carell.jpg").open("rb")),
+        ("photos", ("blank.png", blank.getvalue(), "image/png")),
+        ("photos", ("notes.txt", b"hello", "text/plain")),
+    ]
+    statuses = [p["status"] for p in client.post("/v1/embed", files=files).json()["photos"]]
+    assert statuses == ["ok", "no_face", "unreadable_image"]
+
+
+def test_embed_of_aligned_crop_skips_detection(client, photos_dir):
+    crop = io.BytesIO()
+    Image.new("RGB", (96, 112), (90, 60, 40)).save(crop, format="PNG")
+    r = client.post("/v1/embed?aligned=true", files=[("photos", ("crop.png", crop.getvalue()))])
+    assert r.json()["photos"][0]["status"] == "ok"
+    r = client.post(
+        "/v1/embed?aligned=true", files=[("photos", (photos_dir / "scenes" / "single_carell.jpg").open("rb"))]
+    )
+    assert r.json()["photos"][0]["status"] == "wrong_crop_size"
+
+
+@pytest.mark.parametrize(
+    "payload,code,status",
+    [(b"", "unreadable_image", 422), (b"GIF89a broken", "unreadable_image", 422)],
+    ids=["empty", "corrupt"],
+)
+def test_verify_rejects_bad_photos_with_a_typed_error(client, photos_dir, payload, code, status):
+    good = (photos_dir / "people" / "obama" / "1.jpg").open("rb")
+    r = client.post("/v1/verify", files={"photo1": ("bad.jpg", payload), "photo2": good})
+    assert r.status_code == status and r.json()["code"] == code and "bad.jpg" in r.json()["message"]
+
+
+def test_verify_without_a_face_is_no_face(client, photos_dir):
+    blank = io.BytesIO()
+    Image.new("RGB", (300, 300), (10, 200, 10)).save(blank, format="JPEG")
+    good = (photos_dir / "people" / "obama" / "1.jpg").open("rb")
+    r = client.post("/v1/verify", files={"photo1": good, "photo2": ("green.jpg", blank.getvalue())})
+    assert r.status_code == 422 and r.json()["code"] == "no_face"
+
+
+def test_verify_with_reject_policy_refuses_a_photo_of_several_faces(client, photos_dir):
+    two = (photos_dir / "scenes" / "two_faces_kit_rose.jpg").open("rb")
+    one = (photos_dir / "people" / "kit_harington" / "1.jpg").open("rb")
+    r = client.post("/v1/verify?multiple_faces=reject", files={"photo1": two, "photo2": one})
+    assert r.status_code == 422 and r.json()["code"] == "multiple_faces"
+
+
+def test_too_many_pixels_is_image_too_large(client, photos_dir):
+    big = (photos_dir / "people" / "obama" / "3.jpg").open("rb")  # 3.3 MP: within the limit
+    huge = io.BytesIO()
+    Image.new("RGB", (3000, 2000)).save(huge, format="JPEG")
+    r = client.post("/v1/verify", files={"photo1": ("huge.jpg", huge.getvalue()), "photo2": big})
+    assert r.status_code == 413 and r.json()["code"] == "image_too_large"
+
+
+def test_missing_field_is_invalid_request(client, photos_dir):
+    r = client.post("/v1/verify", files={"photo1": (photos_dir / "people" / "obama" / "1.jpg").open("rb")})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request"
