@@ -81,17 +81,23 @@ class Embedder:
             return np.zeros((0, self.manifest.embedding_size), dtype=np.float32)
         return np.concatenate(out).reshape(len(x), -1).astype(np.float32, copy=False)
 
-    def embed(self, crops: np.ndarray) -> np.ndarray:
-        """Aligned RGB uint8 crops ``(N, H, W, 3)`` -> ``(N, output_size)`` unit vectors."""
+    def embed(self, crops: np.ndarray, *, normalize: bool = True) -> np.ndarray:
+        """Aligned RGB uint8 crops ``(N, H, W, 3)`` -> ``(N, output_size)`` fused embeddings.
+
+        With ``normalize`` (the default) rows are unit vectors, so a dot product is a cosine in
+        [-1, 1]. ``normalize=False`` keeps the raw fused features, as the official LFW protocol
+        needs them (it subtracts a mean before normalising).
+        """
         fusion = self.manifest.flip_fusion
         if fusion == "none":
-            return l2_normalize(self.raw(crops))
-        n = len(crops)
-        # Original and mirrored crops in one pass so batches stay full.
-        both = self.raw(np.concatenate([crops, crops[:, :, ::-1]]))
-        original, mirrored = both[:n], both[n:]
-        if fusion == "concat":
-            fused = np.concatenate([original, mirrored], axis=1)
+            fused = self.raw(crops)
         else:
-            fused = original + mirrored
-        return l2_normalize(fused)
+            n = len(crops)
+            # Original and mirrored crops in one pass so batches stay full.
+            both = self.raw(np.concatenate([crops, crops[:, :, ::-1]]))
+            original, mirrored = both[:n], both[n:]
+            if fusion == "concat":
+                fused = np.concatenate([original, mirrored], axis=1)
+            else:
+                fused = original + mirrored
+        return l2_normalize(fused) if normalize else fused

@@ -66,11 +66,16 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     lfw.add_argument("--plot", default=None, help="write the ROC curve here (PNG)")
     lfw.add_argument("--providers", default="cpu", help="execution providers, e.g. cuda,cpu")
     lfw.add_argument("--batch-size", type=int, default=64)
+    lfw.add_argument(
+        "--write-thresholds",
+        action="store_true",
+        help="store the cosine thresholds measured at FAR 1e-1..1e-3 (verification: 1e-3) in the manifest",
+    )
     lfw.set_defaults(func=_run_evaluate_lfw)
 
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
-    from training.lfw import run_lfw_evaluation
+    from training.lfw import run_lfw_evaluation, write_thresholds
 
     result = run_lfw_evaluation(
         model_dir=args.model,
@@ -82,6 +87,10 @@ def _run_evaluate_lfw(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
     )
     print(result.summary())
+    if args.write_thresholds:
+        manifest = write_thresholds(args.model, result)
+        chosen = manifest.thresholds["verification"]
+        print(f"wrote verification threshold {chosen.value:.4f} (FAR {chosen.far:g}) to {args.model}")
     return 0
 
 

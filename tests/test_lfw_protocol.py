@@ -492,3 +492,27 @@ def test_detector_landmark_report_over_the_first_lfw_images(lfw_dir):
     assert set(report["landmark_error_px"]["per_point"]) == {
         "left_eye", "right_eye", "nose", "left_mouth", "right_mouth"
     }
+
+
+@pytest.mark.shared_data
+@pytest.mark.slow
+def test_write_thresholds_stores_the_calibrated_cosine_threshold_in_the_manifest(
+    reference_model_dir, lfw_dir, tmp_path
+):
+    import shutil
+
+    from models.manifest import load_manifest
+    from training.lfw import run_lfw_evaluation, write_thresholds
+
+    model = tmp_path / "model"
+    shutil.copytree(reference_model_dir, model)
+    result = run_lfw_evaluation(
+        model_dir=model, data_dir=lfw_dir, landmarks="file", pairs_per_fold=30, progress=False
+    )
+    manifest = write_thresholds(model, result, far=1e-2)
+    reloaded = load_manifest(model)
+    assert reloaded.thresholds["verification"].far == pytest.approx(1e-2)
+    assert reloaded.thresholds["verification"].value == result.roc.threshold_at_far["1e-02"]
+    assert reloaded.lfw["accuracy"] == result.accuracy == manifest.lfw["accuracy"]
+    with pytest.raises(Exception, match="cannot be measured"):
+        write_thresholds(model, result, far=1e-6)

@@ -11,9 +11,10 @@ ANCHORS.md d8):
   with score < t) / N (a score equal to the threshold is an error for both classes).
 * Accuracy of that threshold on the held-out fold; the result is the mean over the 10 folds.
 
-Features come from :class:`models.embedder.Embedder` (original and mirrored crop, concatenated,
-L2-normalised), i.e. the very path the service uses. ROC data are computed separately on the raw
-cosine scores of all pairs (no mean subtraction, no folds).
+Features come from :class:`models.embedder.Embedder`, the very path the service uses: the network's
+outputs for the crop and its mirror, concatenated and *not* normalised, exactly as ``evaluation.m``
+feeds them to the protocol. ROC data (and the thresholds at fixed false-accept rates) are computed
+separately on the cosine the service returns: L2-normalised fused features, no mean subtraction.
 """
 
 from __future__ import annotations
@@ -149,8 +150,7 @@ def read_pairs(path: str | Path) -> LFWPairs:
     counts = [_positive_int(h) for h in header]
     if len(header) != 2 or None in counts:
         raise LFWDataError(
-            f"{path}:1: expected the header '<folds> <pairs per class>' (e.g. '10\\t300'), "
-            f"got {lines[0]!r}"
+            f"{path}:1: expected the header '<folds> <pairs per class>' (e.g. '10\\t300'), got {lines[0]!r}"
         )
     n_folds, per_class = counts  # type: ignore[misc]
     body = lines[1:]
@@ -239,9 +239,7 @@ def verification_accuracy(scores: np.ndarray, is_same: np.ndarray, threshold: fl
     return correct / len(scores)
 
 
-def grid_accuracies(
-    scores: np.ndarray, is_same: np.ndarray, grid: np.ndarray = THRESHOLD_GRID
-) -> np.ndarray:
+def grid_accuracies(scores: np.ndarray, is_same: np.ndarray, grid: np.ndarray = THRESHOLD_GRID) -> np.ndarray:
     """Number of correctly classified pairs at every threshold of ``grid`` (vectorised).
 
     Uses the sorted scores of each class and binary search: ``O((N + G) log N)``, no ``G x N`` matrix.
@@ -405,9 +403,7 @@ def tar_at_far(scores: np.ndarray, is_same: np.ndarray, far: float) -> tuple[flo
     return float(np.mean(scores[is_same] > threshold)), threshold
 
 
-def roc_curve(
-    scores: np.ndarray, is_same: np.ndarray, fars: Sequence[float] = REPORTED_FARS
-) -> RocCurve:
+def roc_curve(scores: np.ndarray, is_same: np.ndarray, fars: Sequence[float] = REPORTED_FARS) -> RocCurve:
     """ROC of ``scores`` (higher = more likely the same person), AUC and TAR at ``fars``."""
     scores = np.asarray(scores, dtype=np.float64)
     is_same = np.asarray(is_same, dtype=bool)
@@ -500,8 +496,14 @@ def landmark_error_stats(predicted: np.ndarray, reference: np.ndarray) -> dict[s
     reference = np.asarray(reference, dtype=np.float64).reshape(-1, 5, 2)
     if len(predicted) == 0:
         return {
-            "images": 0, "mean": None, "median": None, "p95": None, "per_point": {}, "nme": None,
-            "mean_offset_xy": None, "images_over_5px": 0,
+            "images": 0,
+            "mean": None,
+            "median": None,
+            "p95": None,
+            "per_point": {},
+            "nme": None,
+            "mean_offset_xy": None,
+            "images_over_5px": 0,
         }
     errors = np.linalg.norm(predicted - reference, axis=2)  # (N, 5)
     interocular = np.linalg.norm(reference[:, 1] - reference[:, 0], axis=1)
@@ -691,9 +693,7 @@ class LFWEvaluation:
                     f"landmark error vs landmarks.txt: mean {err['mean']:.2f} px, median "
                     f"{err['median']:.2f} px over {err['images']} images ({per_point})"
                 )
-        lines.append(
-            f"took {self.timing['total']:.1f} s ({self.timing['images_per_s']:.1f} images/s)"
-        )
+        lines.append(f"took {self.timing['total']:.1f} s ({self.timing['images_per_s']:.1f} images/s)")
         return "\n".join(lines)
 
 
@@ -782,7 +782,7 @@ def run_lfw_evaluation(
     def flush() -> None:
         nonlocal embed_seconds, done
         t0 = time.perf_counter()
-        features[done : done + len(batch)] = embedder.embed(np.stack(batch))
+        features[done : done + len(batch)] = embedder.embed(np.stack(batch), normalize=False)
         embed_seconds += time.perf_counter() - t0
         done += len(batch)
         batch.clear()
@@ -802,7 +802,10 @@ def run_lfw_evaluation(
     left = features[[index[n] for n in pairs.left]]
     right = features[[index[n] for n in pairs.right]]
     result = lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold)
-    raw_scores = np.einsum("ij,ij->i", left.astype(np.float64), right.astype(np.float64))
+    # ROC and its thresholds on the cosine the service computes (no mean subtraction).
+    raw_scores = np.einsum(
+        "ij,ij->i", _unit_rows(left.astype(np.float64)), _unit_rows(right.astype(np.float64))
+    )
     curve = roc_curve(raw_scores, pairs.is_same)
     finished = time.perf_counter()
 
@@ -863,3 +866,36 @@ def run_lfw_evaluation(
         plot_roc(curve, plot_out, title)
     log.info("LFW accuracy %.4f ± %.4f", result.accuracy, result.std)
     return evaluation
+
+
+def write_thresholds(model_dir: str | Path, result: LFWEvaluation, far: float = 1e-3) -> Any:
+    """Store LFW-calibrated cosine thresholds and the LFW accuracy in a model's manifest.
+
+    ``thresholds["verification"]`` is the raw-cosine threshold at false-accept rate ``far`` over
+    LFW's 3,000 impostor pairs (the smallest FAR those pairs can measure is about 1e-3); every
+    other measurable FAR of the ROC is stored as ``far_<rate>``.
+    """
+    from models.manifest import Threshold, load_manifest, save_manifest
+
+    manifest = load_manifest(model_dir)
+    source = (
+        f"LFW View 2 ({result.roc.n_different} impostor / {result.roc.n_same} genuine pairs, "
+        f"landmarks={result.landmarks}), cosine of L2-normalised fused embeddings"
+    )
+    for label, value in result.roc.threshold_at_far.items():
+        if value is not None:
+            manifest.thresholds[f"far_{label}"] = Threshold(
+                value=float(value), far=float(label), source=source
+            )
+    chosen = manifest.thresholds.get(f"far_{far_label(far)}")
+    if chosen is None:
+        raise LFWDataError(f"FAR {far:g} cannot be measured with {result.roc.n_different} impostor pairs")
+    manifest.thresholds["verification"] = chosen
+    manifest.lfw = {
+        "accuracy": result.accuracy,
+        "std": result.std,
+        "landmarks": result.landmarks,
+        "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+    }
+    save_manifest(model_dir, manifest)
+    return manifest
