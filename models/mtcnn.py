@@ -114,10 +114,15 @@ def _batched_nms(
     return nms(boxes + offset[:, None], scores, threshold, mode)
 
 
-def _regress(boxes: np.ndarray, reg: np.ndarray) -> np.ndarray:
-    """Apply box regression offsets (fractions of width/height) to inclusive boxes."""
-    w = boxes[:, 2] - boxes[:, 0] + 1
-    h = boxes[:, 3] - boxes[:, 1] + 1
+def _regress(boxes: np.ndarray, reg: np.ndarray, inclusive: bool = True) -> np.ndarray:
+    """Apply box regression offsets (fractions of width/height) to boxes.
+
+    MATLAB's ``detect_face.m`` measures widths as ``x2 - x1 + 1`` after R-Net and O-Net
+    (``bbreg``) but as ``x2 - x1`` after P-Net; ``inclusive=False`` is the latter.
+    """
+    extra = 1 if inclusive else 0
+    w = boxes[:, 2] - boxes[:, 0] + extra
+    h = boxes[:, 3] - boxes[:, 1] + extra
     return boxes + reg * np.stack([w, h, w, h], axis=1)
 
 
@@ -251,7 +256,7 @@ class MTCNNDetector:
         if not all_boxes:
             return np.zeros((0, 5)), np.zeros(0, dtype=np.int64)
         boxes = np.concatenate(all_boxes)
-        refined = _square(_regress(boxes[:, :4], boxes[:, 5:9]))
+        refined = _square(_regress(boxes[:, :4], boxes[:, 5:9], inclusive=False))
         return np.concatenate([refined, boxes[:, 4:5]], axis=1), np.concatenate(all_groups)
 
     def _pnet_boxes(self, prob: np.ndarray, reg: np.ndarray, scale: float) -> np.ndarray:

@@ -59,6 +59,7 @@ def convert_mtcnn(source: str | Path, out_dir: str | Path | None = None) -> list
     from torch.export import Dim
 
     from models.nets.mtcnn import ONet, PNet, RNet
+    from models.onnx_export import for_onnx_export
 
     out = Path(out_dir) if out_dir else DEFAULT_MTCNN_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def convert_mtcnn(source: str | Path, out_dir: str | Path | None = None) -> list
         net.eval()
         path = out / f"{name}.onnx"
         program = torch.onnx.export(
-            net,
+            for_onnx_export(net),
             (torch.zeros(examples[name]),),
             input_names=["image"],
             output_names=_OUTPUTS[name],

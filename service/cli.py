@@ -73,6 +73,15 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     lfw.set_defaults(func=_run_evaluate_lfw)
 
+    marks = which.add_parser(
+        "landmarks", help="our MTCNN on every LFW photo against lfw/landmarks.txt (found share, px error)"
+    )
+    marks.add_argument("--data", required=True, help="LFW folder with images/, landmarks.txt")
+    marks.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    marks.add_argument("--limit", type=int, default=None, help="only the first N photos")
+    marks.add_argument("--providers", default="cpu")
+    marks.set_defaults(func=_run_evaluate_landmarks)
+
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
     from training.lfw import run_lfw_evaluation, write_thresholds
@@ -91,6 +100,25 @@ def _run_evaluate_lfw(args: argparse.Namespace) -> int:
         manifest = write_thresholds(args.model, result)
         chosen = manifest.thresholds["verification"]
         print(f"wrote verification threshold {chosen.value:.4f} (FAR {chosen.far:g}) to {args.model}")
+    return 0
+
+
+def _run_evaluate_landmarks(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from training.lfw import detector_landmark_report
+
+    report = detector_landmark_report(args.data, limit=args.limit, providers=args.providers)
+    err = report["landmark_error_px"]
+    print(
+        f"face found in {report['faces_found']}/{report['images']} photos "
+        f"({100 * report['faces_found_share']:.2f}%); landmark error vs landmarks.txt: "
+        f"mean {err['mean']:.2f} px, median {err['median']:.2f} px, p95 {err['p95']:.2f} px"
+    )
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
