@@ -16,15 +16,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("SPHEREFACE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
-def require_shared(relative: str) -> Path:
-    """Path of ``../shared/data/<relative>``; fail in CI and skip elsewhere when it is missing."""
-    path = SHARED_DATA / relative
+def require_path(path: Path, hint: str) -> Path:
+    """``path`` if it exists; otherwise fail in CI and skip elsewhere, saying what is missing."""
     if not path.exists():
-        message = f"missing real test data: {path} (set SPHEREFACE_SHARED_DATA to its folder)"
+        message = f"missing {path} ({hint})"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def require_shared(relative: str) -> Path:
+    """Path of ``../shared/data/<relative>``; fail in CI and skip elsewhere when it is missing."""
+    return require_path(SHARED_DATA / relative, "real test data; set SPHEREFACE_SHARED_DATA to its folder")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from PIL import Image
 
 from models.image import decode_image, read_image
 from models.mtcnn import DetectedFace, MTCNNDetector, nms, select_faces
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, require_path
 
 FNP_WHEEL = REPO_ROOT / ".cache" / "wheels" / "facenet_pytorch-2.6.0-py3-none-any.whl"
 
@@ -156,11 +155,7 @@ def test_missing_weights_folder_gives_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_conversion_from_the_wheel_reproduces_the_shipped_onnx_files(tmp_path):
-    if not FNP_WHEEL.is_file():
-        message = f"missing {FNP_WHEEL}: run `make install` (it downloads the facenet-pytorch wheel)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_path(FNP_WHEEL, "run `make install`: it downloads the facenet-pytorch wheel")
     import onnxruntime as ort
 
     from models.mtcnn_convert import DEFAULT_MTCNN_DIR, convert_mtcnn
