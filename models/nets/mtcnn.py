@@ -11,10 +11,6 @@ import torch
 from torch import nn
 
 
-def _conv(cin: int, cout: int, k: int) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, kernel_size=k), nn.PReLU(cout)]
-
-
 class PNet(nn.Module):
     """Proposal net, fully convolutional: (N, 3, H, W) -> face prob (N, H', W'), box reg (N, 4, H', W').
 
