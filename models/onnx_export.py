@@ -130,6 +130,7 @@ def export_onnx(
     # Batch 2, not 1: tracing with a size-1 dimension invites specialising it to a constant.
     sample = torch.zeros((2, *input_shape), dtype=torch.float32, device=_module_device(module))
     module = for_onnx_export(module)
+    common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "opset_version": opset}
     with _eval_mode(module), torch.no_grad():
         if exporter == "dynamo":
             with _quiet_exporter_logs():
@@ -137,9 +138,7 @@ def export_onnx(
                     module,
                     (sample,),
                     str(path),
-                    input_names=[INPUT_NAME],
-                    output_names=[OUTPUT_NAME],
-                    opset_version=opset,
+                    **common,
                     dynamo=True,
                     dynamic_shapes=({0: torch.export.Dim("batch")},),
                     external_data=False,
@@ -150,9 +149,7 @@ def export_onnx(
                 module,
                 (sample,),
                 str(path),
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                opset_version=opset,
+                **common,
                 dynamo=False,
                 dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
             )
