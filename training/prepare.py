@@ -1,0 +1,759 @@
+"""Training-data preparation: detect and align every photo of an identity-folder dataset ONCE.
+
+The source is laid out like CASIA-WebFace: one sub-folder per identity, photos inside::
+
+    src/<identity>/<photo>.jpg
+
+Every photo is read (:func:`models.image.read_image`), its faces are found by MTCNN, the face
+nearest the photo centre is kept (``select_faces(..., "central", ...)``) and aligned onto the
+SphereFace template, giving one ``(112, 96, 3)`` uint8 RGB crop. Photos that cannot be read or
+show no face are skipped and recorded with a reason.
+
+The output folder holds packed arrays that training reads with ``np.load(mmap_mode="r")``::
+
+    out/images_00000.npy   uint8 (n, 112, 96, 3) aligned crops, RGB
+    out/labels_00000.npy   int32 (n,)            class of each crop (index into identities)
+    out/meta_00000.json    per shard: photo range, kept source paths in row order, skipped photos
+    ...
+    out/manifest.json      written last: identities, counts, shards, skipped photos, settings
+
+The photo list (sorted identities, sorted photos) is cut into fixed shards of ``shard_size``
+photos, in order. A shard is written to temporary names and moved into place with
+``os.replace``, its meta file last, so a killed run leaves no half shard that looks complete; a
+re-run redoes only the shards without a meta file. Labels are contiguous ``0..C-1`` over the
+identities that kept at least one face (they are re-mapped when an identity loses all its
+photos), and the manifest says which identity each label is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.align import SPHEREFACE_TEMPLATE_112x96
+from models.errors import FacePathError
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "sphereface_prepared"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+TEMPLATE = SPHEREFACE_TEMPLATE_112x96
+IMAGE_SHAPE = (TEMPLATE.height, TEMPLATE.width, 3)
+FACE_POLICY = "central"
+DEFAULT_SHARD_SIZE = 8192
+
+_SHARD_FILES = ("images_{:05d}.npy", "labels_{:05d}.npy", "meta_{:05d}.json")
+_META_RE = re.compile(r"^meta_(\d{5,})\.json$")
+
+
+class DatasetError(FacePathError):
+    """The source folder or a prepared folder is missing, empty or malformed."""
+
+    code = "dataset_error"
+    http_status = 400
+
+
+class DatasetMismatchError(DatasetError):
+    """An output folder already holds shards prepared from another photo list or other settings."""
+
+    code = "dataset_mismatch"
+
+
+# --------------------------------------------------------------------------------------------
+# The prepared dataset
+# --------------------------------------------------------------------------------------------
+
+
+class PreparedDataset:
+    """A prepared folder, loaded.
+
+    Attributes:
+        path: the folder.
+        manifest: ``manifest.json`` as a dict.
+        identities: kept identity names; label ``i`` is ``identities[i]``.
+        num_classes: ``len(identities)``.
+        num_images: number of aligned crops over all shards.
+        shards: one ``(images, labels)`` pair per shard: images ``(n, 112, 96, 3)`` uint8 (a
+            read-only memmap when loaded with ``mmap=True``), labels ``(n,)`` int64.
+        last_run: what the call that returned this object did (``photos_processed``,
+            ``shards_written``, ``shards_reused``, ``seconds``); None from :func:`load_prepared`.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        shards: list[tuple[np.ndarray, np.ndarray]],
+        last_run: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.identities: list[str] = list(manifest["identities"])
+        self.num_classes = int(manifest["num_classes"])
+        self.num_images = int(manifest["num_images"])
+        self.shards = shards
+        self.last_run = last_run
+
+    def __len__(self) -> int:
+        return self.num_images
+
+    def __repr__(self) -> str:
+        return (
+            f"PreparedDataset({str(self.path)!r}, num_images={self.num_images}, "
+            f"num_classes={self.num_classes}, shards={len(self.shards)})"
+        )
+
+    def concatenate(self) -> tuple[np.ndarray, np.ndarray]:
+        """All crops in one array: images ``(N, 112, 96, 3)`` uint8 (contiguous, in memory) and
+        labels ``(N,)`` int64, in shard order."""
+        images = np.empty((self.num_images, *IMAGE_SHAPE), dtype=np.uint8)
+        labels = np.empty(self.num_images, dtype=np.int64)
+        at = 0
+        for shard_images, shard_labels in self.shards:
+            n = len(shard_labels)
+            images[at : at + n] = shard_images
+            labels[at : at + n] = shard_labels
+            at += n
+        return images, labels
+
+    def summary(self) -> str:
+        """One paragraph for people: images kept, classes, skipped photos by reason, time."""
+        return summary(self.manifest)
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    """A one-paragraph human description of a prepared folder's manifest."""
+    skipped = manifest.get("skipped_by_reason", {})
+    n_skipped = sum(skipped.values())
+    if skipped:
+        reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(skipped.items()))
+        skipped_text = f"skipped {n_skipped:,} ({reasons})"
+    else:
+        skipped_text = "skipped none"
+    dropped = manifest.get("dropped_identities", [])
+    excluded = manifest.get("excluded_identities", [])
+    extras = []
+    if excluded:
+        extras.append(f"{len(excluded):,} identities excluded by request")
+    if dropped:
+        extras.append(f"{len(dropped):,} identities dropped for lack of any face")
+    extra_text = ("; " + "; ".join(extras)) if extras else ""
+    seconds = float(manifest.get("elapsed_seconds", 0.0))
+    processed = int(manifest.get("photos_processed", 0))
+    rate = f", {processed / seconds:.1f} photos/s" if seconds > 0 and processed else ""
+    height, width = manifest["image_shape"][:2]
+    return (
+        f"Prepared {manifest['num_images']:,} aligned {height}x{width} faces of "
+        f"{manifest['num_classes']:,} classes from {manifest['num_photos']:,} photos of "
+        f"{manifest['source']} ({manifest['template']}, face policy {manifest['detector']['face_policy']}); "
+        f"{skipped_text}{extra_text}; {len(manifest['shards'])} shard(s); the last run processed "
+        f"{processed:,} photos in {seconds:.1f} s{rate} with {manifest['detector']['workers']} worker(s)."
+    )
+
+
+def load_prepared(path: str | Path, mmap: bool = True) -> PreparedDataset:
+    """Open a folder made by :func:`prepare_dataset`.
+
+    Args:
+        path: the output folder.
+        mmap: memory-map the image shards read-only (default) instead of reading them.
+
+    Raises:
+        DatasetError: no ``manifest.json`` (the preparation never finished), or a shard file is
+            missing or disagrees with the manifest.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise DatasetError(
+            f"{path} has no {MANIFEST_FILE}: it is not a prepared dataset or its preparation did not "
+            "finish; run `sphereface prepare` first"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"cannot read {manifest_path}: {exc}") from exc
+    if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(
+            f"{manifest_path} is format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')!r}; expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
+        )
+    shards = []
+    for entry in manifest["shards"]:
+        images = _load_npy(path / entry["images"], mmap)
+        labels = _load_npy(path / entry["labels"], False)
+        count = int(entry["count"])
+        if images.shape != (count, *IMAGE_SHAPE) or images.dtype != np.uint8 or labels.shape != (count,):
+            raise DatasetError(
+                f"shard {entry['images']} of {path} holds images {images.shape} {images.dtype} and labels "
+                f"{labels.shape}; the manifest says {count} crops of {IMAGE_SHAPE} uint8"
+            )
+        shards.append((images, labels.astype(np.int64)))
+    total = sum(len(labels) for _, labels in shards)
+    if total != int(manifest["num_images"]):
+        raise DatasetError(
+            f"{path}: the shards hold {total} crops, the manifest says {manifest['num_images']}"
+        )
+    return PreparedDataset(path, manifest, shards)
+
+
+def _load_npy(path: Path, mmap: bool) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except FileNotFoundError:
+        raise DatasetError(f"{path} is missing; prepare the dataset again") from None
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read {path}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Listing the source
+# --------------------------------------------------------------------------------------------
+
+
+def read_identity_list(path: str | Path) -> list[str]:
+    """Identity names from a text file: one per line; blank lines and ``#`` comments ignored."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DatasetError(f"cannot read the identity list {path}: {exc.strerror or exc}") from exc
+    names = []
+    for line in text.splitlines():
+        name = line.split("#", 1)[0].strip()
+        if name:
+            names.append(name)
+    return names
+
+
+def _exclusion_set(exclude: Iterable[str] | str | Path | None) -> set[str]:
+    if exclude is None:
+        return set()
+    if isinstance(exclude, (str, Path)):
+        return set(read_identity_list(exclude))
+    return {str(name).strip() for name in exclude if str(name).strip()}
+
+
+def list_photos(
+    src: str | Path,
+    exclude_identities: Iterable[str] | str | Path | None = None,
+    limit_identities: int | None = None,
+) -> tuple[list[str], list[tuple[str, int]], list[str], list[str]]:
+    """The photo list of an identity-folder dataset, in the order it is prepared.
+
+    Returns:
+        ``(identities, photos, excluded, exclusions_not_found)``: the listed identity folders
+        (sorted, after exclusion and ``limit_identities``); ``(relative posix path, index into
+        identities)`` per photo, by identity then file name; the identities dropped because they
+        were excluded; excluded names with no folder in ``src``.
+
+    Raises:
+        DatasetError: ``src`` is not a folder, has no identity folders or no photos.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise DatasetError(f"the source folder {src} does not exist or is not a folder")
+    excluded_names = _exclusion_set(exclude_identities)
+    if limit_identities is not None and limit_identities < 1:
+        raise ValueError(f"limit_identities must be at least 1, got {limit_identities}")
+    all_names = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not all_names:
+        raise DatasetError(
+            f"the source folder {src} has no identity sub-folders (expected src/<identity>/*.jpg)"
+        )
+    excluded = [n for n in all_names if n in excluded_names]
+    not_found = sorted(excluded_names.difference(all_names))
+    names = [n for n in all_names if n not in excluded_names]
+    if limit_identities is not None:
+        names = names[:limit_identities]
+    photos: list[tuple[str, int]] = []
+    for index, name in enumerate(names):
+        files = sorted(
+            p.name
+            for p in (src / name).iterdir()
+            if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file()
+        )
+        photos.extend((f"{name}/{f}", index) for f in files)
+    if not photos:
+        raise DatasetError(
+            f"the source folder {src} has no photos ({', '.join(IMAGE_EXTENSIONS)}) in its "
+            f"{len(names)} identity folder(s) left after exclusions"
+        )
+    return names, photos, excluded, not_found
+
+
+# --------------------------------------------------------------------------------------------
+# Workers
+# --------------------------------------------------------------------------------------------
+
+_WORKER_DETECTOR: Any = None
+_WORKER_PROVIDERS: str | None = None
+
+
+def _worker_init(providers: str) -> None:
+    global _WORKER_PROVIDERS
+    _WORKER_PROVIDERS = providers
+
+
+def _detector(providers: str) -> Any:
+    """This process's MTCNN (made on first use, with one ONNX Runtime thread per call)."""
+    global _WORKER_DETECTOR
+    if _WORKER_DETECTOR is None:
+        from models.mtcnn import MTCNNDetector
+
+        _WORKER_DETECTOR = MTCNNDetector(providers=providers, intra_op_threads=1)
+    return _WORKER_DETECTOR
+
+
+def align_photo(detector: Any, path: str | Path) -> tuple[np.ndarray | None, str | None, str | None]:
+    """Read, detect and align one photo.
+
+    Returns:
+        ``(crop, None, None)`` with a ``(112, 96, 3)`` uint8 RGB crop, or ``(None, reason,
+        message)`` when the photo is skipped: ``reason`` is ``no_face`` or the read error's code
+        (``unreadable_image``, ``image_too_large``).
+    """
+    from models.align import align_face
+    from models.image import read_image
+    from models.mtcnn import select_faces
+
+    try:
+        image = read_image(path)
+    except FacePathError as exc:
+        return None, exc.code, exc.message
+    faces = select_faces(detector.detect(image), FACE_POLICY, image.shape)
+    if not faces:
+        return None, "no_face", f"MTCNN found no face in the {image.shape[1]}x{image.shape[0]} photo"
+    return align_face(image, faces[0].landmarks, TEMPLATE), None, None
+
+
+def _work(task: tuple[int, str]) -> tuple[int, np.ndarray | None, str | None, str | None]:
+    """Pool task: ``(photo index, absolute path)`` -> ``(index, crop, reason, message)``."""
+    index, path = task
+    detector = _detector(_WORKER_PROVIDERS or "cpu")
+    try:
+        crop, reason, message = align_photo(detector, path)
+    except Exception as exc:  # one odd photo must not stop a long job; it is recorded instead
+        crop, reason, message = None, "error", f"{type(exc).__name__}: {exc}"
+    return index, crop, reason, message
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    # Never fork a parent that may hold ONNX Runtime threads: forkserver where there is one.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def _results(
+    tasks: list[tuple[int, str]], workers: int, providers: str
+) -> Iterator[tuple[int, np.ndarray | None, str | None, str | None]]:
+    """Results of :func:`_work` over ``tasks``, in task order."""
+    if not tasks:
+        return
+    if workers <= 1:
+        _worker_init(providers)
+        for task in tasks:
+            yield _work(task)
+        return
+    workers = min(workers, len(tasks))
+    chunksize = max(1, min(16, len(tasks) // (workers * 8)))
+    with _pool_context().Pool(workers, initializer=_worker_init, initargs=(providers,)) as pool:
+        yield from pool.imap(_work, tasks, chunksize=chunksize)
+
+
+# --------------------------------------------------------------------------------------------
+# Shards
+# --------------------------------------------------------------------------------------------
+
+
+def _shard_names(k: int) -> tuple[str, str, str]:
+    return tuple(pattern.format(k) for pattern in _SHARD_FILES)  # type: ignore[return-value]
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Write through ``write(file)`` to a temporary name, flush to disk, then ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    _write_atomic(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode("utf-8")))
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    _write_atomic(path, lambda f: np.save(f, array, allow_pickle=False))
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _npy_shape(path: Path) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype from a ``.npy`` header, or None when the file is missing or broken."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    except (OSError, ValueError):
+        return None
+    return tuple(shape), dtype
+
+
+def _shard_complete(out: Path, k: int, fingerprint: str, photo_range: tuple[int, int]) -> dict | None:
+    """The meta of shard ``k`` when its three files are all there and agree; None otherwise.
+
+    Raises:
+        DatasetMismatchError: the shard's meta was written for another photo list or settings.
+    """
+    images_name, labels_name, meta_name = _shard_names(k)
+    meta = _read_meta(out / meta_name)
+    if meta is None:
+        return None
+    if meta.get("job_fingerprint") != fingerprint or tuple(meta.get("photo_range", ())) != photo_range:
+        raise DatasetMismatchError(
+            f"{out / meta_name} was prepared from another photo list or other settings (source, "
+            "exclusions, limit_identities, shard_size or detector); use a new output folder or delete "
+            "this one"
+        )
+    count = int(meta.get("count", -1))
+    images = _npy_shape(out / images_name)
+    labels = _npy_shape(out / labels_name)
+    if images != ((count, *IMAGE_SHAPE), np.dtype(np.uint8)) or labels is None or labels[0] != (count,):
+        return None
+    return meta
+
+
+def _write_shard(
+    out: Path,
+    k: int,
+    fingerprint: str,
+    photo_range: tuple[int, int],
+    crops: np.ndarray,
+    labels: np.ndarray,
+    paths: list[str],
+    skipped: list[dict[str, str]],
+    seconds: float,
+) -> dict[str, Any]:
+    images_name, labels_name, meta_name = _shard_names(k)
+    # A stale meta must never vouch for new arrays: remove it before touching them.
+    (out / meta_name).unlink(missing_ok=True)
+    _write_npy(out / images_name, np.ascontiguousarray(crops, dtype=np.uint8))
+    _write_npy(out / labels_name, labels.astype(np.int32))
+    meta = {
+        "shard": k,
+        "job_fingerprint": fingerprint,
+        "photo_range": list(photo_range),
+        "photos": photo_range[1] - photo_range[0],
+        "count": len(paths),
+        "images": images_name,
+        "labels": labels_name,
+        "paths": paths,
+        "skipped": skipped,
+        "seconds": round(seconds, 3),
+    }
+    _write_json(out / meta_name, meta)  # last: its presence marks the shard complete
+    return meta
+
+
+def _fingerprint(src: Path, photos: Sequence[tuple[str, int]], settings: dict[str, Any]) -> str:
+    """SHA-256 over the photo list (relative paths and byte sizes) and the settings."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    for rel, _ in photos:
+        try:
+            size = (src / rel).stat().st_size
+        except OSError:
+            size = -1
+        digest.update(f"\n{rel}\t{size}".encode())
+    return digest.hexdigest()
+
+
+def _detector_settings() -> dict[str, Any]:
+    """The MTCNN settings the workers use (the detector's defaults), for the manifest."""
+    import inspect
+
+    from models.mtcnn import MTCNNDetector
+
+    defaults = inspect.signature(MTCNNDetector.__init__).parameters
+    return {
+        "name": "mtcnn",
+        "min_face_size": float(defaults["min_face_size"].default),
+        "thresholds": [float(t) for t in defaults["thresholds"].default],
+        "scale_factor": float(defaults["scale_factor"].default),
+        "face_policy": FACE_POLICY,
+    }
+
+
+def _progress(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="prepare", unit="img", dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The job
+# --------------------------------------------------------------------------------------------
+
+
+def prepare_dataset(
+    src: str | Path,
+    out: str | Path,
+    *,
+    exclude_identities: Iterable[str] | str | Path | None = None,
+    workers: int | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    providers: str = "cpu",
+    progress: bool = True,
+    limit_identities: int | None = None,
+) -> PreparedDataset:
+    """Detect and align every photo of ``src/<identity>/*`` into packed uint8 shards in ``out``.
+
+    Args:
+        src: the dataset: one sub-folder per identity, photos (.jpg .jpeg .png .bmp .webp, any
+            case) inside; identities and photos are taken in sorted order.
+        out: the output folder (created); see the module docstring for its files.
+        exclude_identities: identity names to leave out (e.g. people who are also in LFW), or a
+            text file with one name per line (blank lines and ``#`` comments ignored).
+        workers: processes, each with its own MTCNN on one ONNX Runtime thread (default: all
+            cores); 1 runs in this process.
+        shard_size: photos per shard (the last shard may hold fewer).
+        providers: ONNX Runtime providers for MTCNN, e.g. ``"cpu"`` or ``"cuda,cpu"``.
+        progress: show a tqdm bar over photos.
+        limit_identities: keep only the first N identities (after exclusions; for smoke tests).
+
+    Returns:
+        the prepared folder, loaded with memory-mapped images; ``last_run`` says how many photos
+        this call processed (0 when ``out`` was already complete).
+
+    Raises:
+        DatasetError: ``src`` is missing, has no identity folders or no photos.
+        DatasetMismatchError: ``out`` holds a preparation of another photo list or other settings.
+    """
+    started = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    identities, photos, excluded, not_found = list_photos(src, exclude_identities, limit_identities)
+    detector = _detector_settings()
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "template": TEMPLATE.name,
+        "image_shape": list(IMAGE_SHAPE),
+        "detector": detector,
+        "shard_size": shard_size,
+    }
+    fingerprint = _fingerprint(src, photos, settings)
+    out.mkdir(parents=True, exist_ok=True)
+
+    manifest_path = out / MANIFEST_FILE
+    ranges = [(a, min(a + shard_size, len(photos))) for a in range(0, len(photos), shard_size)]
+    old = _read_meta(manifest_path) if manifest_path.exists() else None
+    if manifest_path.exists() and (old is None or old.get("fingerprint") != fingerprint):
+        raise DatasetMismatchError(
+            f"{out} already holds a dataset prepared from another photo list or other settings "
+            f"(source {old.get('source') if old else '?'}); use a new output folder or delete this one"
+        )
+    for meta_path in out.iterdir():  # shards of another job (e.g. another shard_size) must not mix
+        match = _META_RE.match(meta_path.name)
+        if match and int(match.group(1)) >= len(ranges):
+            raise DatasetMismatchError(
+                f"{meta_path} belongs to another preparation (this one has {len(ranges)} shards); "
+                "use a new output folder or delete this one"
+            )
+    metas: dict[int, dict[str, Any]] = {}
+    for k, photo_range in enumerate(ranges):
+        meta = _shard_complete(out, k, fingerprint, photo_range)
+        if meta is not None:
+            metas[k] = meta
+    pending = [k for k in range(len(ranges)) if k not in metas]
+    if old is not None and not pending:
+        dataset = load_prepared(out)
+        dataset.last_run = {
+            "photos_processed": 0,
+            "shards_written": 0,
+            "shards_reused": len(ranges),
+            "seconds": time.perf_counter() - started,
+        }
+        return dataset
+    manifest_path.unlink(missing_ok=True)  # the folder is incomplete until the manifest is rewritten
+    for stale in out.glob(".*.tmp-*"):  # temporary files of a killed run
+        stale.unlink(missing_ok=True)
+
+    tasks = [(i, str(src / photos[i][0])) for k in pending for i in range(*ranges[k])]
+    bar = _progress(len(photos), len(photos) - len(tasks), progress)
+    processed = 0
+    stream = _results(tasks, workers, providers)
+    try:
+        for k in pending:
+            first, last = ranges[k]
+            shard_started = time.perf_counter()
+            crops = np.empty((last - first, *IMAGE_SHAPE), dtype=np.uint8)
+            kept_rows: list[int] = []
+            paths: list[str] = []
+            labels: list[int] = []
+            skipped: list[dict[str, str]] = []
+            for row in range(last - first):
+                index, crop, reason, message = next(stream)
+                if index != first + row:  # results come in task order; anything else is a bug
+                    raise RuntimeError(f"photo {index} arrived where photo {first + row} was expected")
+                rel, label = photos[index]
+                if crop is None:
+                    skipped.append({"path": rel, "reason": str(reason), "message": str(message)})
+                else:
+                    crops[row] = crop
+                    kept_rows.append(row)
+                    paths.append(rel)
+                    labels.append(label)
+                processed += 1
+                if bar is not None:
+                    bar.update(1)
+            metas[k] = _write_shard(
+                out,
+                k,
+                fingerprint,
+                (first, last),
+                crops[kept_rows],
+                np.asarray(labels, dtype=np.int64),
+                paths,
+                skipped,
+                time.perf_counter() - shard_started,
+            )
+    finally:
+        stream.close()  # stops the worker pool, also when this loop fails or is interrupted
+        if bar is not None:
+            bar.close()
+
+    manifest = _finish(
+        src,
+        out,
+        identities=identities,
+        photos=photos,
+        ranges=ranges,
+        metas=metas,
+        excluded=excluded,
+        not_found=not_found,
+        limit_identities=limit_identities,
+        fingerprint=fingerprint,
+        settings=settings,
+        providers=providers,
+        workers=workers,
+    )
+    manifest["elapsed_seconds"] = round(time.perf_counter() - started, 3)
+    manifest["photos_processed"] = processed
+    _write_json(manifest_path, manifest)  # last: the folder is complete from here on
+    dataset = load_prepared(out)
+    dataset.last_run = {
+        "photos_processed": processed,
+        "shards_written": len(pending),
+        "shards_reused": len(ranges) - len(pending),
+        "seconds": time.perf_counter() - started,
+    }
+    log.info("%s", dataset.summary())
+    return dataset
+
+
+def _finish(
+    src: Path,
+    out: Path,
+    *,
+    identities: list[str],
+    photos: list[tuple[str, int]],
+    ranges: list[tuple[int, int]],
+    metas: dict[int, dict[str, Any]],
+    excluded: list[str],
+    not_found: list[str],
+    limit_identities: int | None,
+    fingerprint: str,
+    settings: dict[str, Any],
+    providers: str,
+    workers: int,
+) -> dict[str, Any]:
+    """Give labels their final contiguous values and build the manifest (not yet written)."""
+    kept_counts: Counter[str] = Counter()
+    for k in range(len(ranges)):
+        kept_counts.update(path.split("/", 1)[0] for path in metas[k]["paths"])
+    kept = [name for name in identities if kept_counts[name] > 0]
+    label_of = {name: i for i, name in enumerate(kept)}
+    shards, skipped = [], []
+    for k in range(len(ranges)):
+        meta = metas[k]
+        labels = np.asarray([label_of[p.split("/", 1)[0]] for p in meta["paths"]], dtype=np.int32)
+        labels_path = out / meta["labels"]
+        # Shards are written with labels = index into the listed identities; re-map them when an
+        # identity kept no face (and on resume, when earlier shards were re-mapped differently).
+        if not np.array_equal(np.load(labels_path, allow_pickle=False), labels):
+            _write_npy(labels_path, labels)
+        shards.append(
+            {
+                "images": meta["images"],
+                "labels": meta["labels"],
+                "meta": _shard_names(k)[2],
+                "count": int(meta["count"]),
+                "photos": int(meta["photos"]),
+            }
+        )
+        skipped.extend(meta["skipped"])
+    by_reason = Counter(entry["reason"] for entry in skipped)
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "source": str(src.resolve()),
+        "template": TEMPLATE.name,
+        "image_shape": list(IMAGE_SHAPE),
+        "image_dtype": "uint8",
+        "label_dtype": "int32",
+        "color": "RGB",
+        "identities": kept,
+        "num_classes": len(kept),
+        "num_images": sum(kept_counts.values()),
+        "num_photos": len(photos),
+        "identity_counts": {name: kept_counts[name] for name in kept},
+        "dropped_identities": [name for name in identities if kept_counts[name] == 0],
+        "excluded_identities": excluded,
+        "exclusions_not_found": not_found,
+        "limit_identities": limit_identities,
+        "shard_size": settings["shard_size"],
+        "shards": shards,
+        "num_skipped": len(skipped),
+        "skipped_by_reason": dict(sorted(by_reason.items())),
+        "skipped": skipped,
+        "detector": {
+            **settings["detector"],
+            "providers": providers,
+            "intra_op_threads": 1,
+            "workers": workers,
+        },
+        "fingerprint": fingerprint,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
