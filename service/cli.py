@@ -122,6 +122,103 @@ def _run_evaluate_landmarks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare", help="detect and align a folder of identities (CASIA-WebFace layout) into packed crops"
+    )
+    p.add_argument("source", help="folder with one sub-folder of photos per identity")
+    p.add_argument("--out", required=True, help="folder to write (resumable: finished shards are kept)")
+    p.add_argument(
+        "--exclude-identities", default=None, help="file of identity names to leave out, one per line"
+    )
+    p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU core)")
+    p.add_argument("--shard-size", type=int, default=8192, help="faces per shard file")
+    p.add_argument("--providers", default="cpu", help="ONNX Runtime providers for MTCNN")
+    p.set_defaults(func=_run_prepare)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from training.prepare import prepare_dataset
+
+    result = prepare_dataset(
+        args.source,
+        args.out,
+        exclude_identities=args.exclude_identities,
+        workers=args.workers,
+        shard_size=args.shard_size,
+        providers=args.providers,
+    )
+    print(result.summary())
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train SphereFace / SphereFace+ (or a baseline head) on a prepared dataset; torchrun for GPUs",
+    )
+    p.add_argument("config", nargs="?", default=None, help="experiment config (TOML) in training/configs/")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (repeatable), e.g. --set steps=200 --set head_options.m=2",
+    )
+    p.add_argument("--resume", action="store_true", help="continue the run from its checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from training.config import load_config
+    from training.trainer import train
+
+    config = load_config(args.config, args.overrides)
+    result = train(config, resume=args.resume, progress=not args.no_progress)
+    if result.summary:
+        lfw = result.summary.get("lfw") or {}
+        acc = f", LFW {100 * lfw['accuracy']:.2f}% ± {100 * lfw['std']:.2f}%" if lfw else ""
+        print(f"finished {result.steps} steps in {result.run_dir}{acc}")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a training checkpoint -> ONNX model folder with calibrated thresholds")
+    p.add_argument("checkpoint", help="checkpoint.pt (or the run folder holding it)")
+    p.add_argument("--out", required=True, help="model folder to write")
+    p.add_argument("--name", default=None, help="model name (default: the run's name)")
+    p.add_argument("--version", default=None, help="model version (default: step<N>)")
+    p.add_argument("--lfw", default=None, help="LFW folder: evaluate and calibrate thresholds on it")
+    p.add_argument("--landmarks", choices=("file", "detect"), default="file", help="LFW landmarks source")
+    p.add_argument("--verification-far", type=float, default=1e-3)
+    p.add_argument("--identification-far", type=float, default=1e-4)
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from training.export import export_checkpoint
+
+    manifest, report = export_checkpoint(
+        args.checkpoint,
+        args.out,
+        name=args.name,
+        version=args.version,
+        lfw_dir=args.lfw,
+        landmarks=args.landmarks,
+        verification_far=args.verification_far,
+        identification_far=args.identification_far,
+    )
+    print(f"wrote {args.out} ({manifest.model_id}; ONNX parity {report['onnx_parity_max_abs_diff']:.2g})")
+    if "lfw_accuracy" in report:
+        print(f"LFW {100 * report['lfw_accuracy']:.2f}% ± {100 * report['lfw_std']:.2f}%")
+        for role in ("verification", "identification"):
+            t = manifest.thresholds[role]
+            print(f"{role} threshold {t.value:.4f} at FAR {t.far:g}")
+    return 0
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the REST service")
     p.add_argument("--host", default=None)
@@ -140,11 +237,14 @@ def _run_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sphereface",
-        description="SphereFace / SphereFace+ face recognition: import, evaluate, serve.",
+        description="SphereFace / SphereFace+ face recognition: prepare, train, export, evaluate, serve.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_import(sub)
+    _add_prepare(sub)
+    _add_train(sub)
+    _add_export(sub)
     _add_evaluate(sub)
     _add_serve(sub)
     return parser

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -633,6 +633,11 @@ class LFWEvaluation:
     no_face_list: list[str] = field(default_factory=list)
     detection: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: ``(n_images, D)`` fused, unnormalised features of ``names`` (kept for threshold calibration;
+    #: not written to the JSON).
+    features: np.ndarray | None = field(default=None, repr=False)
+    names: list[str] = field(default_factory=list, repr=False)
+    pairs: LFWPairs | None = field(default=None, repr=False)
 
     @property
     def accuracy(self) -> float:
@@ -733,7 +738,7 @@ def run_lfw_evaluation(
     if landmarks not in LANDMARK_MODES:
         raise ValueError(f"landmarks must be one of {LANDMARK_MODES}, got {landmarks!r}")
     started = time.perf_counter()
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     data_dir = Path(data_dir)
     if not (data_dir / IMAGES_DIR).is_dir():
         raise LFWDataError(f"{data_dir} is not an LFW folder: {data_dir / IMAGES_DIR} is missing")
@@ -798,9 +803,7 @@ def run_lfw_evaluation(
         flush()
     embedded = time.perf_counter()
 
-    index = {name: i for i, name in enumerate(names)}
-    left = features[[index[n] for n in pairs.left]]
-    right = features[[index[n] for n in pairs.right]]
+    left, right = pair_features(features, names, pairs)
     result = lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold)
     # ROC and its thresholds on the cosine the service computes (no mean subtraction).
     raw_scores = np.einsum(
@@ -842,6 +845,9 @@ def run_lfw_evaluation(
         timing=timing,
         no_face_list=no_face_list,
         detection=detection,
+        features=features,
+        names=names,
+        pairs=pairs,
         extra={
             "started_at": started_at,
             "data_dir": str(data_dir),
@@ -896,6 +902,194 @@ def write_thresholds(model_dir: str | Path, result: LFWEvaluation, far: float = 
         "std": result.std,
         "landmarks": result.landmarks,
         "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+    }
+    save_manifest(model_dir, manifest)
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for training and export: aligned crops, threshold calibration on every in-fold pair
+# --------------------------------------------------------------------------------------------
+
+
+def identity_of(name: str) -> str:
+    """``"Abel_Pacheco/Abel_Pacheco_0001.jpg"`` -> ``"Abel_Pacheco"``."""
+    return name.split("/", 1)[0]
+
+
+def aligned_lfw_crops(
+    data_dir: str | Path,
+    pairs_per_fold: int | None = None,
+    *,
+    workers: int = 2,
+    progress: bool = False,
+) -> tuple[np.ndarray, list[str], LFWPairs]:
+    """Every image of the LFW pairs, aligned with ``landmarks.txt`` onto the SphereFace template.
+
+    This is the ``--landmarks file`` path of :func:`run_lfw_evaluation`, without a model: the
+    trainer's periodic LFW check embeds these crops with the network being trained.
+
+    Returns:
+        ``crops`` ``(n_images, 112, 96, 3)`` uint8 RGB, ``names`` (sorted, relative to images/) and
+        the pairs (subset to ``pairs_per_fold`` when given).
+    """
+    from models.align import SPHEREFACE_TEMPLATE_112x96, align_face
+    from models.image import read_image
+
+    data_dir = Path(data_dir)
+    if not (data_dir / IMAGES_DIR).is_dir():
+        raise LFWDataError(f"{data_dir} is not an LFW folder: {data_dir / IMAGES_DIR} is missing")
+    pairs = read_pairs(data_dir / PAIRS_FILE)
+    if pairs_per_fold is not None:
+        pairs = pairs.subset(pairs_per_fold)
+    names = pairs.images()
+    reference = read_landmarks(data_dir / LANDMARKS_FILE)
+    missing = [n for n in names if n not in reference]
+    if missing:
+        raise LFWDataError(
+            f"{data_dir / LANDMARKS_FILE} has no landmarks for {len(missing)} images, e.g. {missing[0]}"
+        )
+    template = SPHEREFACE_TEMPLATE_112x96
+
+    def work(name: str) -> np.ndarray:
+        return align_face(read_image(data_dir / IMAGES_DIR / name), reference[name], template)
+
+    crops = np.empty((len(names), template.height, template.width, 3), dtype=np.uint8)
+    stream = _ordered_map(work, names, workers, window=256)
+    for i, crop in enumerate(_progress(stream, len(names), "LFW crops", progress)):
+        crops[i] = crop
+    return crops, names, pairs
+
+
+def pair_features(
+    features: np.ndarray, names: Sequence[str], pairs: LFWPairs
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``features`` (one per name) for the left and right image of every pair."""
+    index = {name: i for i, name in enumerate(names)}
+    return features[[index[n] for n in pairs.left]], features[[index[n] for n in pairs.right]]
+
+
+def _fold_pair_scores(unit: np.ndarray, identities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cosine of every unordered pair of ``unit`` rows, split into (genuine, impostor) scores."""
+    scores = unit @ unit.T
+    upper = np.triu_indices(len(unit), k=1)
+    same = identities[upper[0]] == identities[upper[1]]
+    flat = scores[upper]
+    return flat[same], flat[~same]
+
+
+def _threshold_for_far(impostor_scores: np.ndarray, far: float) -> float | None:
+    """Smallest threshold ``t`` with at most ``floor(far * n)`` impostor scores strictly above it."""
+    allowed = math.floor(far * len(impostor_scores) + 1e-9)
+    if allowed < 1 or allowed >= len(impostor_scores):
+        return None
+    position = len(impostor_scores) - 1 - allowed
+    return float(np.partition(impostor_scores, position)[position])
+
+
+def calibrate_thresholds(
+    features: np.ndarray,
+    names: Sequence[str],
+    pairs: LFWPairs,
+    fars: Sequence[float] = (1e-3, 1e-4, 1e-5),
+) -> dict[str, Any]:
+    """Cosine thresholds at false-accept rates far below what LFW's 3,000 impostor pairs can show.
+
+    Within each of the 10 folds (View 2's folds have disjoint people), every pair of the fold's
+    images is scored: same person = genuine, different people = impostor (about 300k impostor
+    pairs per fold, 3M in all). Each threshold is cross-validated: chosen on the other nine folds'
+    impostor scores, then its FAR and TAR are measured on the held-out fold (``heldout_far`` and
+    ``heldout_tar`` are the means over folds). The threshold reported for use is the one chosen on
+    all ten folds together.
+
+    Args:
+        features: ``(len(names), D)`` fused features (normalised here), cosine = dot product.
+        names: image names (``Name/Name_NNNN.jpg``), one per row.
+        pairs: the protocol pairs, for the fold of each image.
+        fars: false-accept rates (per comparison) to calibrate.
+
+    Returns:
+        ``{"far_1e-03": {"threshold", "heldout_far", "heldout_tar", "heldout_tar_std"}, ...,
+        "n_genuine", "n_impostor", "source"}``; a FAR that cannot be measured maps to None.
+    """
+    unit = _unit_rows(np.asarray(features, dtype=np.float64))
+    identities = np.array([identity_of(n) for n in names])
+    index = {name: i for i, name in enumerate(names)}
+    fold_rows: dict[int, set[int]] = {}
+    for left, right, fold in zip(pairs.left, pairs.right, pairs.fold, strict=True):
+        fold_rows.setdefault(int(fold), set()).update((index[left], index[right]))
+    per_fold = []
+    for fold in sorted(fold_rows):
+        rows = np.array(sorted(fold_rows[fold]))
+        per_fold.append(_fold_pair_scores(unit[rows], identities[rows]))
+    all_impostor = np.concatenate([imp for _, imp in per_fold])
+    n_genuine = int(sum(len(gen) for gen, _ in per_fold))
+    out: dict[str, Any] = {
+        "n_genuine": n_genuine,
+        "n_impostor": int(len(all_impostor)),
+        "source": (
+            f"LFW View 2 images, every within-fold pair ({n_genuine} genuine, {len(all_impostor)} impostor), "
+            "cosine of L2-normalised fused embeddings; FAR/TAR cross-validated over the 10 folds"
+        ),
+    }
+    for far in fars:
+        threshold = _threshold_for_far(all_impostor, far)
+        if threshold is None:
+            out[f"far_{far_label(far)}"] = None
+            continue
+        heldout_far, heldout_tar = [], []
+        for k, (genuine, impostor) in enumerate(per_fold):
+            others = np.concatenate([imp for j, (_, imp) in enumerate(per_fold) if j != k])
+            t = _threshold_for_far(others, far)
+            if t is None:
+                continue
+            heldout_far.append(float(np.mean(impostor > t)))
+            heldout_tar.append(float(np.mean(genuine > t)) if len(genuine) else float("nan"))
+        out[f"far_{far_label(far)}"] = {
+            "threshold": threshold,
+            "tar": float(np.mean(np.concatenate([g for g, _ in per_fold]) > threshold)),
+            "heldout_far": float(np.mean(heldout_far)),
+            "heldout_tar": float(np.mean(heldout_tar)),
+            "heldout_tar_std": float(np.std(heldout_tar, ddof=1)) if len(heldout_tar) > 1 else 0.0,
+        }
+    return out
+
+
+def write_calibrated_thresholds(
+    model_dir: str | Path,
+    result: LFWEvaluation,
+    calibration: dict[str, Any],
+    verification_far: float = 1e-3,
+    identification_far: float = 1e-4,
+) -> Any:
+    """Store LFW accuracy and the calibrated thresholds in a model's manifest.
+
+    ``thresholds["verification"]``: cosine threshold at ``verification_far`` per comparison.
+    ``thresholds["identification"]``: at ``identification_far`` per comparison; searching a
+    gallery of G subjects, a stranger is wrongly matched with probability at most about
+    ``G * identification_far``. Every calibrated FAR is also stored as ``far_<rate>``.
+    """
+    from models.manifest import Threshold, load_manifest, save_manifest
+
+    manifest = load_manifest(model_dir)
+    for key, entry in calibration.items():
+        if key.startswith("far_") and entry is not None:
+            manifest.thresholds[key] = Threshold(
+                value=float(entry["threshold"]), far=float(key[4:]), source=calibration["source"]
+            )
+    for role, far in (("verification", verification_far), ("identification", identification_far)):
+        chosen = manifest.thresholds.get(f"far_{far_label(far)}")
+        if chosen is None:
+            raise LFWDataError(
+                f"FAR {far:g} cannot be measured with {calibration['n_impostor']} impostor pairs"
+            )
+        manifest.thresholds[role] = chosen
+    manifest.lfw = {
+        "accuracy": result.accuracy,
+        "std": result.std,
+        "landmarks": result.landmarks,
+        "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+        "calibration": {k: v for k, v in calibration.items() if k.startswith("far_")},
     }
     save_manifest(model_dir, manifest)
     return manifest

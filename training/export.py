@@ -1,0 +1,122 @@
+"""``sphereface export``: a training checkpoint -> a model folder the service and the evaluators use.
+
+Only the embedding network is exported (up to FC1; the classifier is training-only, SPEC §1.9),
+as ONNX with a dynamic batch axis, checked against PyTorch on ONNX Runtime. With an LFW folder,
+the new model folder is evaluated with ``sphereface evaluate lfw``'s job (through ONNX Runtime,
+the service's path) and its cosine thresholds are calibrated on every within-fold LFW pair at
+the stated false-accept rates (:func:`training.lfw.calibrate_thresholds`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from models.manifest import MODEL_NAME, ModelManifest, save_manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LICENCE = (
+    "Weights inherit the licence of their training data. CelebA (and CASIA-WebFace, LFW) are "
+    "research datasets: research and non-commercial use only."
+)
+
+
+def _training_data_text(config: dict[str, Any]) -> str:
+    manifest_path = Path(config["data"]) / "manifest.json"
+    try:
+        data = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return f"prepared dataset {config['data']}"
+    return (
+        f"{data.get('source', config['data'])}: {data.get('num_images')} faces of {data.get('num_classes')} "
+        "identities, detected and aligned by sphereface prepare (MTCNN, SphereFace 112x96 template)"
+    )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    lfw_dir: str | Path | None = None,
+    landmarks: str = "file",
+    verification_far: float = 1e-3,
+    identification_far: float = 1e-4,
+    licence: str = DEFAULT_LICENCE,
+    parity_atol: float = 1e-3,
+    progress: bool = True,
+) -> tuple[ModelManifest, dict[str, Any]]:
+    """Write ``out_dir/model.onnx`` + ``manifest.json`` (+ LFW results and thresholds).
+
+    Args:
+        checkpoint: ``checkpoint.pt`` of ``sphereface train`` (or its run folder).
+        name, version: manifest name and version; default: the run's name and ``step<N>``.
+        lfw_dir: LFW folder; when given, LFW accuracy (``lfw.json``, ``lfw_roc.png``) and
+            thresholds at ``verification_far`` / ``identification_far`` (and 1e-5) go into the
+            manifest.
+        parity_atol: largest accepted |ONNX - PyTorch| on random inputs (SphereFace nets have
+            no BatchNorm, so their raw features are large: the default is 1e-3).
+
+    Returns:
+        The manifest and a report (parity difference, LFW accuracy, calibration).
+    """
+    import torch
+
+    from models.nets import build_network
+    from models.onnx_export import check_onnx_parity, export_onnx
+    from training.trainer import load_checkpoint
+
+    state = load_checkpoint(checkpoint)
+    config = state["config"]
+    net = build_network(state["network"], state["embedding_size"])
+    net.load_state_dict(state["net"])
+    net.eval()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final, partial = out_dir / MODEL_NAME, out_dir / (MODEL_NAME + ".partial")
+    try:
+        export_onnx(net, partial, input_shape=(3, 112, 96), opset=17)
+        diff = check_onnx_parity(net, partial, batch_sizes=(1, 8), atol=parity_atol)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, final)
+    with torch.no_grad():
+        scale = float(net(torch.zeros(1, 3, 112, 96)).abs().max())
+    log.info("ONNX Runtime vs PyTorch: max abs diff %.3g (outputs up to %.3g)", diff, scale)
+
+    head_options = ", ".join(f"{k}={v}" for k, v in config.get("head_options", {}).items())
+    manifest = ModelManifest(
+        name=name or config["name"],
+        version=version or f"step{state['step']}",
+        architecture=state["network"],
+        embedding_size=int(state["embedding_size"]),
+        training_data=_training_data_text(config),
+        licence=licence,
+        source=(
+            f"sphereface train: {config['name']}, {state['network']} + {config['head']}"
+            f"({head_options}), {state['step']} steps of batch {config['batch_size']}, "
+            f"lr {config['lr']}, seed {config['seed']}"
+        ),
+    )
+    save_manifest(out_dir, manifest)
+    report: dict[str, Any] = {"onnx_parity_max_abs_diff": diff, "checkpoint_step": int(state["step"])}
+    if lfw_dir is not None:
+        from training.lfw import calibrate_thresholds, run_lfw_evaluation, write_calibrated_thresholds
+
+        result = run_lfw_evaluation(
+            out_dir, lfw_dir, landmarks=landmarks, json_out=out_dir / "lfw.json",
+            plot_out=out_dir / "lfw_roc.png", progress=progress,
+        )  # fmt: skip
+        calibration = calibrate_thresholds(result.features, result.names, result.pairs)
+        manifest = write_calibrated_thresholds(
+            out_dir, result, calibration, verification_far, identification_far
+        )
+        report.update({"lfw_accuracy": result.accuracy, "lfw_std": result.std, "calibration": calibration})
+        (out_dir / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")
+    return manifest, report

@@ -1,0 +1,134 @@
+"""The loss comparison table: runs' ``summary.json`` -> one Markdown table and one JSON.
+
+Usage (after training the runs, e.g. ``make loss-table``)::
+
+    python -m training.loss_table runs/celeba/sf4_* --json docs/results/loss_table.json \\
+        --markdown docs/results/loss_table.md
+
+Columns: LFW 10-fold accuracy (official protocol, landmarks.txt crops, PyTorch features), the
+angular Fisher score of the LFW features (Eq. A.1, people with 2+ images; lower = more
+discriminative), and the hyperspherical energy of the classifier weights (normalised E_2 and
+E_0 of SPEC.md §3.1, lower = more spread out), plus the minimum / nearest-neighbour angle
+between classifier neurons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Row order of the table (paper order: Table A.1 then SphereFace+).
+ORDER = (
+    ("softmax", None),
+    ("modified_softmax", None),
+    ("asoftmax", 1),
+    ("asoftmax", 2),
+    ("asoftmax", 3),
+    ("asoftmax", 4),
+    ("sphereface_plus", 4),
+)
+
+
+def _label(summary: dict[str, Any]) -> str:
+    head, options = summary["head"], summary.get("head_options", {})
+    if head == "softmax":
+        return "softmax"
+    if head == "modified_softmax":
+        return "modified softmax"
+    if head == "asoftmax":
+        return f"A-Softmax m = {options.get('m', 4)}"
+    if head == "sphereface_plus":
+        return f"SphereFace+ (m = {options.get('m', 4)}, MHE weight {options.get('mhe_weight', 1.0)})"
+    return head
+
+
+def _order_key(summary: dict[str, Any]) -> int:
+    key = (summary["head"], summary.get("head_options", {}).get("m"))
+    for i, (head, m) in enumerate(ORDER):
+        if key[0] == head and (m is None or key[1] == m):
+            return i
+    return len(ORDER)
+
+
+def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    rows = []
+    for run in run_dirs:
+        path = run / "summary.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the run has not finished (no summary.json)")
+        summary = json.loads(path.read_text())
+        lfw = summary.get("lfw") or {}
+        angles = summary.get("classifier_angles_deg", {})
+        rows.append(
+            {
+                "run": summary["name"],
+                "loss": _label(summary),
+                "network": summary["network"],
+                "steps": summary["steps"],
+                "batch_size": summary["batch_size"],
+                "epochs": summary["epochs"],
+                "lfw_accuracy": lfw.get("accuracy"),
+                "lfw_std": lfw.get("std"),
+                "angular_fisher_score": lfw.get("angular_fisher_score"),
+                "classifier_energy_s2": summary.get("classifier_energy_s2"),
+                "classifier_energy_s0": summary.get("classifier_energy_s0"),
+                "classifier_min_angle_deg": angles.get("min_deg"),
+                "classifier_nearest_mean_deg": angles.get("nearest_mean_deg"),
+                "final_train_accuracy": summary["final"].get("accuracy"),
+                "train_images_per_s": summary.get("mean_images_per_s"),
+                "_order": _order_key(summary),
+            }
+        )
+    rows.sort(key=lambda r: r.pop("_order"))
+    return rows
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| Loss | LFW accuracy (%) | AFS of LFW features ↓ | Classifier energy E₂ ↓ | E₀ ↓ "
+        "| Min / mean-nearest angle between classifier neurons (°) | Final train acc. (%) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        acc = "–"
+        if r["lfw_accuracy"] is not None:
+            acc = f"{100 * r['lfw_accuracy']:.2f} ± {100 * r['lfw_std']:.2f}"
+        train_acc = None if r["final_train_accuracy"] is None else 100 * r["final_train_accuracy"]
+        min_angle, nearest = r["classifier_min_angle_deg"], r["classifier_nearest_mean_deg"]
+        angles = f"{_num(min_angle, '.1f')} / {_num(nearest, '.1f')}"
+        lines.append(
+            f"| {r['loss']} | {acc} | {_num(r['angular_fisher_score'], '.4f')} "
+            f"| {_num(r['classifier_energy_s2'], '.4f')} | {_num(r['classifier_energy_s0'], '.4f')} "
+            f"| {angles} | {_num(train_acc, '.1f')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build the loss comparison table from finished runs")
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (with summary.json)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows = collect(args.runs)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
