@@ -236,3 +236,24 @@ def test_calibrated_thresholds_accept_at_most_the_stated_share_of_impostors():
     assert np.sum(impostor > entry["threshold"]) == 2
     assert 0.0 <= entry["heldout_far"] <= 0.2 and 0.0 <= entry["tar"] <= 1.0
     assert result["far_1e-03"] is None  # 54 impostor pairs cannot measure 1e-3
+
+
+@pytest.mark.shared_data
+@pytest.mark.slow
+def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "service.cli", "train",
+        "--no-progress", "--set", f"data={tiny_prepared.path}", "--set", f"out_dir={tmp_path}",
+        "--set", "name=ddp", "--set", "network=sphereface4", "--set", "batch_size=8", "--set", "steps=2",
+        "--set", "log_every=1", "--set", 'lfw=""', "--set", "threads=1",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes x batch 4" in done.stderr
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["final"]["step"] == 2
