@@ -7,7 +7,10 @@ CACHE  := .cache
 FNP_WHEEL := $(CACHE)/wheels/facenet_pytorch-2.6.0-py3-none-any.whl
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
-.PHONY: install test lint serve models bench clean
+CELEBA := $(CACHE)/data/celeba_faces
+LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus
+
+.PHONY: install test lint serve models bench bench-train prepare-celeba loss-table default-model clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +44,35 @@ test: install
 	$(BIN)/ruff check models training service tests bench
 	$(BIN)/python -m pytest -q
 
-serve: install models
-	$(BIN)/sphereface serve --model $(REF_MODEL)
+# The service on the default model that ships in models/default (trained by this project).
+serve: install
+	$(BIN)/sphereface serve
+
+# Training data: celeba_faces detected and aligned once into packed crops (about 1 minute).
+$(CELEBA)/manifest.json: | install
+	$(BIN)/sphereface prepare $(SHARED)/data/celeba_faces --out $(CELEBA)
+
+prepare-celeba: $(CELEBA)/manifest.json
+
+# The loss comparison of docs/training.md: 7 SphereFace-4 runs of 300 steps (about 7 minutes each
+# on 2 cores), then the table.
+loss-table: prepare-celeba
+	for run in $(LOSS_RUNS); do \
+		test -f runs/celeba/sf4_$$run/summary.json || \
+		$(BIN)/sphereface train training/configs/celeba/sf4_$$run.toml --no-progress || exit 1; \
+	done
+	$(BIN)/python -m training.loss_table $(addprefix runs/celeba/sf4_,$(LOSS_RUNS)) \
+		--json docs/results/loss_table.json --markdown docs/results/loss_table.md
+
+# Re-train the default model (about 30 minutes on 2 cores) and export it into models/default.
+default-model: prepare-celeba
+	$(BIN)/sphereface train training/configs/celeba/default_mobilefacenet.toml
+	$(BIN)/sphereface export runs/celeba/default_mobilefacenet_m4 --out models/default \
+		--name sphereface_mobilefacenet_celeba --version 1 --lfw $(SHARED)/data/lfw
+
+# Training throughput, our loaders against a PIL-decoding DataLoader (on a GPU when there is one).
+bench-train: prepare-celeba
+	$(BIN)/python bench/train_loader.py --data $(CELEBA)
 
 bench: install models
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)

@@ -9,9 +9,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
-#: The model ``sphereface serve`` uses when none is given: the reference model folder that
-#: ``make models`` imports.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / ".cache" / "models" / "mobilefacenet_casia"
+#: The model ``sphereface serve`` uses when none is given: the project's own model, trained by
+#: ``sphereface train`` on celeba_faces and shipped in ``models/default`` (see its MODEL_CARD.md).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
 class Settings(BaseSettings):

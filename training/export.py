@@ -32,7 +32,8 @@ def _training_data_text(config: dict[str, Any]) -> str:
     except (OSError, json.JSONDecodeError):
         return f"prepared dataset {config['data']}"
     return (
-        f"{data.get('source', config['data'])}: {data.get('num_images')} faces of {data.get('num_classes')} "
+        f"{Path(data.get('source', config['data'])).name}: {data.get('num_images')} faces of "
+        f"{data.get('num_classes')} "
         "identities, detected and aligned by sphereface prepare (MTCNN, SphereFace 112x96 template)"
     )
 

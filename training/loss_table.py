@@ -33,6 +33,13 @@ ORDER = (
 
 
 def _label(summary: dict[str, Any]) -> str:
+    label = _head_label(summary)
+    if summary.get("init_from"):
+        label += f", fine-tuned from {Path(summary['init_from']).parent.name} ({summary['steps']} more steps)"
+    return label
+
+
+def _head_label(summary: dict[str, Any]) -> str:
     head, options = summary["head"], summary.get("head_options", {})
     if head == "softmax":
         return "softmax"
@@ -46,11 +53,13 @@ def _label(summary: dict[str, Any]) -> str:
 
 
 def _order_key(summary: dict[str, Any]) -> int:
+    """Paper order; fine-tuned runs after the runs trained from scratch."""
     key = (summary["head"], summary.get("head_options", {}).get("m"))
+    offset = len(ORDER) + 1 if summary.get("init_from") else 0
     for i, (head, m) in enumerate(ORDER):
         if key[0] == head and (m is None or key[1] == m):
-            return i
-    return len(ORDER)
+            return offset + i
+    return offset + len(ORDER)
 
 
 def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:

@@ -546,6 +546,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
             "network": config.network,
             "head": config.head,
             "head_options": config.head_options,
+            "init_from": config.init_from,
             "steps": config.steps,
             "batch_size": config.batch_size,
             "processes": ctx.world_size,
