@@ -8,7 +8,8 @@ FNP_WHEEL := $(CACHE)/wheels/facenet_pytorch-2.6.0-py3-none-any.whl
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
 CELEBA := $(CACHE)/data/celeba_faces
-LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus
+LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus \
+	modified_softmax_finetune asoftmax_m4_finetune sphereface_plus_finetune
 
 .PHONY: install test lint serve models bench bench-train prepare-celeba loss-table default-model clean
 
@@ -54,8 +55,8 @@ $(CELEBA)/manifest.json: | install
 
 prepare-celeba: $(CELEBA)/manifest.json
 
-# The loss comparison of docs/training.md: 7 SphereFace-4 runs of 300 steps (about 7 minutes each
-# on 2 cores), then the table.
+# The loss comparison of docs/training.md: 7 SphereFace-4 runs of 300 steps and 3 fine-tunes of
+# 150 steps (about 7 and 4 minutes each on 2 cores), then the table.
 loss-table: prepare-celeba
 	for run in $(LOSS_RUNS); do \
 		test -f runs/celeba/sf4_$$run/summary.json || \

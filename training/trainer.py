@@ -286,9 +286,9 @@ def plot_training_curves(log_path: str | Path, out: str | Path, title: str) -> P
     ax.plot(step, cols["lr"], lw=1.2, color="tab:blue", label="learning rate")
     ax.set_yscale("log")
     ax.set_title("learning rate and lambda")
-    if np.isfinite(cols["lambda"]).any():
+    if (cols["lambda"] > 0).any():  # heads without a margin log lambda 0 or nothing
         twin = ax.twinx()
-        twin.plot(step, cols["lambda"], lw=1.2, color="tab:red", label="lambda")
+        twin.plot(step, np.where(cols["lambda"] > 0, cols["lambda"], np.nan), lw=1.2, color="tab:red")
         twin.set_yscale("log")
         twin.set_ylabel("lambda", color="tab:red")
     ax.set_ylabel("learning rate", color="tab:blue")
