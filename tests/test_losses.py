@@ -325,3 +325,12 @@ def test_heads_run_under_bf16_autocast_and_return_float32(name: str) -> None:
     out.loss.backward()
     assert torch.isfinite(head.weight.grad).all()
     assert torch.isfinite(backbone.weight.grad).all()
+
+
+def test_lambda_schedule_can_be_set_to_reach_its_floor_at_a_given_step():
+    schedule = LambdaSchedule().reaching_floor_at(48.7)
+    assert schedule(0) == 1000.0
+    assert schedule(48) > 5.0
+    assert schedule(49) == 5.0
+    with pytest.raises(ValueError):
+        LambdaSchedule().reaching_floor_at(0)

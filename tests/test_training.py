@@ -257,3 +257,15 @@ def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):
     assert "2 processes x batch 4" in done.stderr
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final"]["step"] == 2
+
+
+def test_lambda_floor_in_epochs_sets_the_warm_phase_by_dataset_size():
+    from training.trainer import build_model
+
+    overrides = ["network=sphereface4", "head=asoftmax", "lambda_floor_epochs=1.0", "batch_size=128"]
+    config = load_config(None, overrides)
+    head = build_model(config, num_classes=5, num_images=6237).head
+    # One epoch of 6,237 faces at batch 128 is 48.7 steps: lambda is above 5 at step 48, 5 at 49.
+    assert head.lambda_schedule(48) > 5.0 and head.lambda_schedule(49) == 5.0
+    with pytest.raises(ConfigError, match="number of training images"):
+        build_model(config, num_classes=5)

@@ -57,6 +57,10 @@ class TrainConfig:
     lambda_min: float = 5.0
     #: Scale gamma by 28000 / steps so lambda reaches its floor at the same fraction of the run.
     lambda_scale_to_run: bool = True
+    #: When set: lambda reaches its floor after this many epochs (overrides lambda_scale_to_run).
+    #: The papers' schedule does so after about one CASIA-WebFace epoch; scaling by steps leaves
+    #: very short runs only a fraction of an epoch of warm phase (docs/training.md §6).
+    lambda_floor_epochs: float | None = None
     #: Hidden-layer MHE (Eq. 5.4) weight; 0 turns it off.
     hidden_mhe_weight: float = 0.0
     hidden_mhe_half_space: bool = False

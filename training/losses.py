@@ -161,6 +161,17 @@ class LambdaSchedule:
             raise ValueError("total_steps and reference_steps must be positive")
         return replace(self, gamma=self.gamma * reference_steps / total_steps)
 
+    def reaching_floor_at(self, step: float) -> LambdaSchedule:
+        """The same schedule with ``gamma`` chosen so that lambda reaches ``minimum`` at ``step``.
+
+        Solves ``base * (1 + gamma * step) ** -power = minimum``. Used to keep the softmax-like
+        warm phase a fixed number of epochs long (the papers' schedule reaches its floor after
+        about one CASIA-WebFace epoch) whatever the run's length.
+        """
+        if step <= 0 or self.minimum <= 0 or self.base <= self.minimum:
+            raise ValueError("need step > 0 and base > minimum > 0")
+        return replace(self, gamma=((self.base / self.minimum) ** (1.0 / self.power) - 1.0) / step)
+
 
 DEFAULT_LAMBDA_SCHEDULE = LambdaSchedule()
 

@@ -118,8 +118,11 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return factor
 
 
-def build_model(config: TrainConfig, num_classes: int) -> FaceClassifier:
-    """The network of ``config`` and its head (with the lambda schedule), on CPU."""
+def build_model(config: TrainConfig, num_classes: int, num_images: int | None = None) -> FaceClassifier:
+    """The network of ``config`` and its head (with the lambda schedule), on CPU.
+
+    ``num_images`` (the training set's size) is needed when ``config.lambda_floor_epochs`` is set.
+    """
     from models.nets import build_network
     from training.losses import LambdaSchedule, build_head
 
@@ -133,7 +136,11 @@ def build_model(config: TrainConfig, num_classes: int) -> FaceClassifier:
             power=config.lambda_power,
             minimum=config.lambda_min,
         )
-        if config.lambda_scale_to_run:
+        if config.lambda_floor_epochs is not None:
+            if num_images is None:
+                raise ConfigError("lambda_floor_epochs needs the number of training images")
+            schedule = schedule.reaching_floor_at(config.lambda_floor_epochs * num_images / config.batch_size)
+        elif config.lambda_scale_to_run:
             schedule = schedule.scaled(config.steps)
         options.setdefault("lambda_schedule", schedule)
     head = build_head(config.head, embedding_size, num_classes, **options)
@@ -397,7 +404,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
 
     _seed_everything(config.seed + ctx.rank)
     data = load_prepared(config.data)
-    model = build_model(config, data.num_classes)
+    model = build_model(config, data.num_classes, data.num_images)
     start_step, state = 0, None
     if resume and checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path)
