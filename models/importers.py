@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import ModelFolderError
-from models.manifest import MODEL_NAME, ModelManifest, save_manifest
+from models.manifest import ModelManifest, save_manifest
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def import_mobilefacenet(
         models.onnx_export.OnnxParityError: the exported model disagrees with PyTorch.
     """
     from models.nets.mobilefacenet import MobileFaceNet
-    from models.onnx_export import check_onnx_parity, export_onnx
+    from models.onnx_export import export_checked
 
     checkpoint = Path(checkpoint)
     out_dir = Path(out_dir)
@@ -126,17 +126,7 @@ def import_mobilefacenet(
         ) from exc
     net.eval()
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / MODEL_NAME
-    partial = out_dir / (MODEL_NAME + ".partial")
-    try:
-        export_onnx(net, partial, input_shape=(3, 112, 96), opset=17)
-        diff = check_onnx_parity(net, partial, batch_sizes=(1, 8), atol=parity_atol)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, final)
-    log.info("ONNX Runtime vs PyTorch: max abs diff %.3g at batch 1 and 8 (tolerance %g)", diff, parity_atol)
+    export_checked(net, out_dir, input_shape=(3, 112, 96), parity_atol=parity_atol)
 
     if version is None:
         version = f"{epoch:03d}" if epoch is not None else checkpoint.stem

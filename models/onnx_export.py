@@ -214,3 +214,32 @@ def check_onnx_parity(
                 )
             worst = max(worst, diff)
     return worst
+
+
+def export_checked(
+    module: torch.nn.Module,
+    out_dir: str | Path,
+    input_shape: tuple[int, int, int] = (3, 112, 96),
+    parity_atol: float = 1e-4,
+) -> float:
+    """Export ``module`` to ``out_dir/model.onnx``, put in place only once parity at batch 1 and 8 passed.
+
+    Returns the largest |ONNX - PyTorch| difference. A failed export or parity check leaves any
+    earlier ``model.onnx`` untouched.
+    """
+    import os
+
+    from models.manifest import MODEL_NAME
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / (MODEL_NAME + ".partial")
+    try:
+        export_onnx(module, partial, input_shape=input_shape, opset=17)
+        diff = check_onnx_parity(module, partial, batch_sizes=(1, 8), atol=parity_atol)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, out_dir / MODEL_NAME)
+    log.info("ONNX Runtime vs PyTorch: max abs diff %.3g at batch 1 and 8 (tolerance %g)", diff, parity_atol)
+    return diff

@@ -43,6 +43,25 @@ def to_network_input(batch: torch.Tensor, flip_mask: torch.Tensor | None = None)
     return x.sub_(PIXEL_MEAN).div_(PIXEL_STD)
 
 
+class _FlipAndNormalise:
+    """uint8 NHWC batch on the device -> network input, each face mirrored with probability 0.5.
+
+    Seeded per process (``seed * 1000 + rank``) so ranks flip independently and runs repeat.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool, seed: int, rank: int) -> None:
+        self.device = device
+        self.enabled = enabled
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed * 1000 + rank)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if self.enabled:
+            mask = torch.rand(len(images), device=self.device, generator=self.generator) < 0.5
+        return to_network_input(images, mask)
+
+
 class DeviceResidentLoader:
     """Random batches sampled from a uint8 dataset that sits entirely in device memory.
 
@@ -83,8 +102,7 @@ class DeviceResidentLoader:
             raise ValueError(
                 f"{len(images)} faces over {world_size} processes is fewer than one batch of {batch_size}"
             )
-        self._flip_generator = torch.Generator(device=self.device)
-        self._flip_generator.manual_seed(seed * 1000 + rank)
+        self._augment = _FlipAndNormalise(self.device, flip, seed, rank)
         self.epoch = 0
 
     @property
@@ -102,14 +120,8 @@ class DeviceResidentLoader:
             indices = self._epoch_indices(self.epoch)
             for b in range(self.batches_per_epoch):
                 idx = indices[b * self.batch_size : (b + 1) * self.batch_size]
-                yield self._make_batch(self.images.index_select(0, idx), self.labels.index_select(0, idx))
+                yield self._augment(self.images.index_select(0, idx)), self.labels.index_select(0, idx)
             self.epoch += 1
-
-    def _make_batch(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = None
-        if self.flip:
-            mask = torch.rand(len(images), device=self.device, generator=self._flip_generator) < 0.5
-        return to_network_input(images, mask), labels
 
 
 class StreamingLoader:
@@ -159,8 +171,7 @@ class StreamingLoader:
         #: CUDA event recorded after the copy out of each pinned buffer; the producer waits on it
         #: before refilling that buffer, so a copy still in flight is never overwritten.
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._buffers)
-        self._flip_generator = torch.Generator(device=self.device)
-        self._flip_generator.manual_seed(seed * 1000 + rank)
+        self._augment = _FlipAndNormalise(self.device, flip, seed, rank)
         self.epoch = 0
 
     def _epoch_batches(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -227,10 +238,7 @@ class StreamingLoader:
                     self._copied[slot] = event
                 else:
                     images, labels = images.clone(), labels.clone()
-                mask = None
-                if self.flip:
-                    mask = torch.rand(len(images), device=self.device, generator=self._flip_generator) < 0.5
-                yield to_network_input(images, mask), labels
+                yield self._augment(images), labels
         finally:
             stop.set()
             thread.join(timeout=5)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from models.manifest import MODEL_NAME, ModelManifest, save_manifest
+from models.manifest import ModelManifest, save_manifest
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +65,8 @@ def export_checkpoint(
     Returns:
         The manifest and a report (parity difference, LFW accuracy, calibration).
     """
-    import torch
-
     from models.nets import build_network
-    from models.onnx_export import check_onnx_parity, export_onnx
+    from models.onnx_export import export_checked
     from training.trainer import load_checkpoint
 
     state = load_checkpoint(checkpoint)
@@ -78,18 +75,7 @@ def export_checkpoint(
     net.load_state_dict(state["net"])
     net.eval()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final, partial = out_dir / MODEL_NAME, out_dir / (MODEL_NAME + ".partial")
-    try:
-        export_onnx(net, partial, input_shape=(3, 112, 96), opset=17)
-        diff = check_onnx_parity(net, partial, batch_sizes=(1, 8), atol=parity_atol)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, final)
-    with torch.no_grad():
-        scale = float(net(torch.zeros(1, 3, 112, 96)).abs().max())
-    log.info("ONNX Runtime vs PyTorch: max abs diff %.3g (outputs up to %.3g)", diff, scale)
+    diff = export_checked(net, out_dir, input_shape=(3, 112, 96), parity_atol=parity_atol)
 
     head_options = ", ".join(f"{k}={v}" for k, v in config.get("head_options", {}).items())
     manifest = ModelManifest(

@@ -674,6 +674,15 @@ class LFWEvaluation:
         out.update(self.extra)
         return out
 
+    def manifest_entry(self) -> dict[str, Any]:
+        """What a model's manifest records of this run (``manifest.lfw``)."""
+        return {
+            "accuracy": self.accuracy,
+            "std": self.std,
+            "landmarks": self.landmarks,
+            "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+        }
+
     def summary(self) -> str:
         p = self.protocol
         lines = [
@@ -897,12 +906,7 @@ def write_thresholds(model_dir: str | Path, result: LFWEvaluation, far: float = 
     if chosen is None:
         raise LFWDataError(f"FAR {far:g} cannot be measured with {result.roc.n_different} impostor pairs")
     manifest.thresholds["verification"] = chosen
-    manifest.lfw = {
-        "accuracy": result.accuracy,
-        "std": result.std,
-        "landmarks": result.landmarks,
-        "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
-    }
+    manifest.lfw = result.manifest_entry()
     save_manifest(model_dir, manifest)
     return manifest
 
@@ -1085,10 +1089,7 @@ def write_calibrated_thresholds(
             )
         manifest.thresholds[role] = chosen
     manifest.lfw = {
-        "accuracy": result.accuracy,
-        "std": result.std,
-        "landmarks": result.landmarks,
-        "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+        **result.manifest_entry(),
         "calibration": {k: v for k, v in calibration.items() if k.startswith("far_")},
     }
     save_manifest(model_dir, manifest)

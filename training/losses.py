@@ -311,14 +311,12 @@ class SphereFacePlusHead(ASoftmaxHead):
 
     def forward(self, features: Tensor, labels: Tensor, step: int = 0) -> HeadOutput:
         """``features`` (N, D), ``labels`` (N,) int64 in [0, C), ``step``: optimiser step for lambda."""
-        lam = _lambda_at(self.lambda_schedule, step)
+        asoftmax = super().forward(features, labels, step)
         with _autocast_off(features):
-            x_norm, cos, logits = self._cosine_logits(features)
-            ce = F.cross_entropy(self._apply_margin(x_norm, cos, logits, labels, lam), labels)
             mhe = output_mhe_loss(self.weight.float(), labels, self.mhe_power, self.mhe_distance)
-            loss = ce + self.mhe_weight * mhe  # Eq. 5.8
-        extras = {"lambda": lam, "mhe": mhe.detach(), "ce": ce.detach()}
-        return HeadOutput(loss=loss, logits=logits.detach(), extras=extras)
+        loss = asoftmax.loss + self.mhe_weight * mhe  # Eq. 5.8
+        extras = {**asoftmax.extras, "mhe": mhe.detach(), "ce": asoftmax.loss.detach()}
+        return HeadOutput(loss=loss, logits=asoftmax.logits, extras=extras)
 
 
 class _NormalisedMarginHead(nn.Module):
