@@ -24,7 +24,16 @@ $(FNP_WHEEL):
 	mkdir -p $(CACHE)/wheels
 	$(BIN)/pip download -q --no-deps facenet-pytorch==2.6.0 -d $(CACHE)/wheels
 
-install: $(BIN)/sphereface $(FNP_WHEEL)
+# The gallery's Redis: Debian's redis-server when none is on PATH (sudo only when not root).
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+		echo "redis-server not on PATH: installing it with apt-get"; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	}
+
+install: $(BIN)/sphereface $(FNP_WHEEL) redis-server
 
 # The reference MobileFaceNet (from ../shared/data) as an ONNX model folder, with its cosine
 # thresholds calibrated on LFW through our own detector (a few minutes, once).

@@ -72,6 +72,13 @@ class FacePipeline:
             NoFaceError: no face was found.
             MultipleFacesError: several faces and ``policy="reject"``.
         """
+        chosen, crops = self.crops(image, policy)
+        embeddings = self.embedder.embed(crops)
+        return [EmbeddedFace(face=f, embedding=e) for f, e in zip(chosen, embeddings, strict=True)]
+
+    def crops(self, image: np.ndarray, policy: str = "all") -> tuple[list[DetectedFace], np.ndarray]:
+        """Detect and select faces as :meth:`faces` does, and return them with their aligned crops
+        (uint8, N x H x W x 3), so crops of many photos can be embedded in one batch."""
         if policy not in MULTIPLE_FACE_POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {MULTIPLE_FACE_POLICIES}")
         found = self.detector.detect(image)
@@ -86,9 +93,7 @@ class FacePipeline:
             chosen = found
         else:
             chosen = select_faces(found, policy, image.shape)
-        crops = align_faces(image, np.stack([f.landmarks for f in chosen]), self.template)
-        embeddings = self.embedder.embed(crops)
-        return [EmbeddedFace(face=f, embedding=e) for f, e in zip(chosen, embeddings, strict=True)]
+        return chosen, align_faces(image, np.stack([f.landmarks for f in chosen]), self.template)
 
     def embed_aligned(self, crops: np.ndarray) -> np.ndarray:
         """Embed crops that are already aligned to the model's template."""

@@ -5,51 +5,160 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+import redis
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError
 from models.pipeline import FacePipeline
-from service.routes import faces, health
+from service.auth import require_read
+from service.errors import RedisSetupError, RedisUnavailableError, RequestTooLargeError
+from service.gallery.index import LiveIndex
+from service.gallery.redis_search import RedisKnnSearch
+from service.gallery.store import GalleryStore
+from service.metrics import MetricsMiddleware, add_metrics_route, create_metrics
+from service.routes import faces, gallery, health, identify
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 DESCRIPTION = """
-Face verification and embedding with SphereFace-style models on ONNX Runtime.
+Face verification, enrollment and identification with SphereFace-style models on ONNX Runtime,
+with the gallery in Redis.
 
 * Scores are **cosine similarities in [-1, 1]** of L2-normalised, flip-fused embeddings.
-* `same_person` compares the score with the model's calibrated threshold (from its manifest).
-* Every error is JSON `{"code": ..., "message": ...}` with a 4xx status.
+* `same_person` / `known` compare the score with the model's calibrated thresholds (manifest):
+  `verification` is set for a false-accept rate of 1e-3 per pair, `identification` for 1e-4.
+* Send the API key in the header `X-API-Key` (scope `read`: verify, embed, identify, read the
+  gallery; scope `admin`: also change it). `/healthz`, `/readyz` and `/metrics` are open.
+* Every error is JSON `{"code": ..., "message": ...}` with a 4xx status (503 when Redis is down).
 """
+
+HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes (413), by Content-Length or while streaming."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(
+                status_code=413,
+                content=RequestTooLargeError(f"the request body is over {self.limit} bytes").as_dict(),
+            )
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise RequestTooLargeError(f"the request body is over {self.limit} bytes")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def make_search(settings: Settings, store: GalleryStore, model_id: str, dim: int):
+    """The identification search the settings ask for (numpy in process, or Redis KNN)."""
+    if settings.search == "redis":
+        search = RedisKnnSearch(store.redis, model_id=model_id, dim=dim, prefix=settings.redis_prefix)
+        search.ensure_index()
+        return search
+    return LiveIndex(store, model_id, dim)
 
 
 def create_app(settings: Settings | None = None, pipeline: FacePipeline | None = None) -> FastAPI:
-    """Build the app; the model is loaded in the lifespan unless a ``pipeline`` is given."""
+    """Build the app; the model and Redis connect in the lifespan (``pipeline`` may be given)."""
     settings = settings or Settings()
+    metrics = create_metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.settings = settings
         app.state.pipeline = pipeline or FacePipeline(
             settings.model_dir,
             settings.providers,
             min_face_size=settings.min_face_size,
             intra_op_threads=settings.intra_op_threads,
         )
-        log.info("model %s on %s", app.state.pipeline.manifest.model_id, app.state.pipeline.embedder.provider)
+        manifest = app.state.pipeline.manifest
+        log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)
+        if not settings.redis_url:
+            raise RedisSetupError(
+                "no Redis for the gallery: set REDIS_URL (e.g. redis://localhost:6379/0), "
+                "or run `sphereface serve`, which starts a local redis-server"
+            )
+        client = redis.Redis.from_url(
+            settings.redis_url,
+            protocol=2,
+            socket_connect_timeout=5,
+            socket_timeout=30,
+            health_check_interval=30,
+        )
+        app.state.redis = client
+        app.state.store = store = GalleryStore(
+            client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+        )
+        app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
+        try:
+            if isinstance(app.state.search, LiveIndex):
+                app.state.search.refresh()  # load the gallery before the first request
+        except RedisUnavailableError as exc:
+            log.warning("gallery not loaded yet (%s); /readyz says so until Redis answers", exc.message)
         yield
+        client.close()
 
     app = FastAPI(
-        title="SphereFace face service", version="0.1.0", description=DESCRIPTION, lifespan=lifespan
+        title="SphereFace face service", version="0.2.0", description=DESCRIPTION, lifespan=lifespan
     )
+    app.state.settings = settings
+    app.state.metrics = metrics
     app.include_router(health.router)
-    app.include_router(faces.router, prefix="/v1")
+    app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read)])
+    app.include_router(identify.router, prefix="/v1")
+    app.include_router(gallery.router, prefix="/v1")
+
+    def gallery_stats() -> tuple[int, int, int]:
+        stats = app.state.store.stats(app.state.pipeline.manifest.model_id)
+        return stats.subjects, stats.faces, stats.revision
+
+    add_metrics_route(app, metrics, gallery_stats)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(FacePathError)
     async def face_path_error(_: Request, exc: FacePathError) -> JSONResponse:
         return JSONResponse(status_code=exc.http_status, content=exc.as_dict())
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def redis_down(_: Request, exc: redis.RedisError) -> JSONResponse:
+        error = RedisUnavailableError(f"the gallery's Redis is unreachable: {exc}")
+        return JSONResponse(status_code=error.http_status, content=error.as_dict())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"code": code, "message": str(exc.detail)},
+            headers=exc.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -220,18 +220,70 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the REST service")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--model", default=None, help="model folder")
-    p.add_argument("--data-dir", default=None)
+    p = sub.add_parser(
+        "serve",
+        help="run the REST service",
+        description="Run the API (default 127.0.0.1:8000, the default model). With no REDIS_URL, a "
+        "local redis-server keeps the gallery in DATA_DIR/redis (append-only, fsync always). Every "
+        "flag also reads from SPHEREFACE_<NAME> (see service/settings.py).",
+    )
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--model", default=None, help="model folder (default: models/default)")
+    p.add_argument("--data-dir", default=None, help="local Redis data and admin key (default .sphereface)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from service.main import serve
 
-    return serve(host=args.host, port=args.port, model=args.model, data_dir=args.data_dir)
+    return serve(
+        host=args.host, port=args.port, model=args.model, data_dir=args.data_dir, workers=args.workers
+    )
+
+
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="API keys of the service (stored hashed in Redis)",
+        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command "
+        "when the service is not running).",
+    )
+    p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
+    which = p.add_subparsers(dest="action", required=True)
+    create = which.add_parser("create", help="create a key and print it (shown once)")
+    create.add_argument("--scope", choices=("read", "admin"), required=True)
+    create.add_argument("--name", default="", help="a label for the key")
+    revoke = which.add_parser("revoke", help="revoke a key by its id or the whole key")
+    revoke.add_argument("key", help="key id (12 hex digits) or the key")
+    which.add_parser("list", help="list keys (id, scope, name, created)")
+    p.set_defaults(func=_run_keys)
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    import redis
+
+    from service.auth import create_key, list_keys, revoke_key
+    from service.main import gallery_redis
+    from service.settings import Settings
+
+    settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+    prefix = settings.redis_prefix
+    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+        if args.action == "create":
+            key, info = create_key(client, args.scope, args.name, prefix=prefix)
+            print(key)
+            print(f"created {info.scope} key {info.key_id}; it is shown only now", file=sys.stderr)
+        elif args.action == "revoke":
+            if not revoke_key(client, args.key, prefix=prefix):
+                print(f"error [key_not_found]: no key {args.key[:16]!r}", file=sys.stderr)
+                return 2
+            print("revoked")
+        else:
+            for info in list_keys(client, prefix=prefix):
+                print(f"{info.key_id}  {info.scope:5}  {info.created_at}  {info.name}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_evaluate(sub)
     _add_serve(sub)
+    _add_keys(sub)
     return parser
 
 

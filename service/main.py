@@ -1,23 +1,96 @@
-"""``sphereface serve``: run the API with uvicorn."""
+"""``sphereface serve`` and ``sphereface keys``: the service's processes and its Redis.
+
+With no ``REDIS_URL``, ``serve`` starts a local ``redis-server`` that keeps the gallery in
+``DATA_DIR/redis`` (append-only file, fsync on every write) and stops it on exit. On first start
+with API keys on and none configured, it creates an admin key and writes it to
+``DATA_DIR/admin.key`` (mode 0600).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import redis
 
 from service.settings import Settings
 
+log = logging.getLogger(__name__)
+
+ADMIN_KEY_FILE = "admin.key"
+
+
+def local_redis_dir(settings: Settings) -> Path:
+    return Path(settings.data_dir).expanduser().absolute() / "redis"
+
+
+@contextmanager
+def gallery_redis(settings: Settings, *, start_local: bool = True) -> Iterator[tuple[str, bool]]:
+    """The Redis URL of the gallery: ``REDIS_URL``, a local server already running for the data
+    folder, or (``start_local``) a local server started for the duration. Yields (url, started)."""
+    if settings.redis_url:
+        yield settings.redis_url, False
+        return
+    from service.redis_server import SOCKET_NAME, LocalRedis
+
+    folder = local_redis_dir(settings)
+    socket = folder / SOCKET_NAME
+    if socket.exists():
+        url = f"unix://{socket}"
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            yield url, False  # a `sphereface serve` of this data folder is running
+            return
+        except redis.RedisError:
+            pass
+    if not start_local:
+        raise FileNotFoundError(
+            f"no Redis: set REDIS_URL or start `sphereface serve --data-dir {settings.data_dir}`"
+        )
+    server = LocalRedis(folder).start()
+    log.info("local redis-server for %s on %s (append-only file, fsync always)", folder, server.url)
+    try:
+        yield server.url, True
+    finally:
+        server.stop()
+
+
+def ensure_admin_key(settings: Settings, client: redis.Redis) -> Path | None:
+    """First start with keys on and none anywhere: create an admin key, write it to a 0600 file."""
+    from service.auth import create_key, list_keys
+
+    if settings.auth == "off" or settings.api_key is not None or list_keys(client, settings.redis_prefix):
+        return None
+    key, info = create_key(client, "admin", name="bootstrap (sphereface serve)", prefix=settings.redis_prefix)
+    path = Path(settings.data_dir).expanduser().absolute() / ADMIN_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    print(f"created admin API key {info.key_id}; it is in {path} (send it as header X-API-Key)", flush=True)
+    return path
+
 
 def serve(
-    host: str | None = None, port: int | None = None, model: str | None = None, data_dir: str | None = None
+    host: str | None = None,
+    port: int | None = None,
+    model: str | None = None,
+    data_dir: str | None = None,
+    workers: int | None = None,
 ) -> int:
     """Start the service; flags override ``SPHEREFACE_*`` environment variables."""
     import uvicorn
 
     from models.errors import ModelFolderError
     from models.manifest import load_manifest
-    from service.app import create_app
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "model_dir": model}.items() if v is not None}
+    flags = {"host": host, "port": port, "model_dir": model, "data_dir": data_dir, "workers": workers}
+    overrides = {k: v for k, v in flags.items() if v is not None}
     settings = Settings(**overrides)
     if not Path(settings.model_dir).is_dir():
         raise ModelFolderError(
@@ -25,5 +98,42 @@ def serve(
             "or run `make models` to import the reference model"
         )
     load_manifest(settings.model_dir)  # fail before binding the port if the folder is broken
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # uvicorn re-raises SIGTERM after its graceful shutdown; exit through Python instead so the
+    # local redis-server is stopped too.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    with gallery_redis(settings) as (url, _):
+        settings = settings.model_copy(update={"redis_url": url})
+        with redis.Redis.from_url(url, protocol=2) as client:
+            ensure_admin_key(settings, client)
+        if settings.workers == 1:
+            from service.app import create_app
+
+            uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+            return 0
+        # Several workers: each builds its app from the environment (service.main:app_from_env).
+        for key, value in {**overrides, "redis_url": url}.items():
+            os.environ[f"SPHEREFACE_{key.upper()}"] = str(value)
+        metrics_dir = Path(settings.data_dir).expanduser().absolute() / "metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        uvicorn.run(
+            "service.main:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level="info",
+        )
     return 0
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def app_from_env():
+    """The app of one worker of a multi-worker ``sphereface serve`` (settings from the environment)."""
+    from service.app import create_app
+
+    return create_app(Settings())

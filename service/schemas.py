@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
 
 
 class ErrorResponse(BaseModel):
@@ -45,7 +48,9 @@ class VerifyResponse(BaseModel):
     threshold: float | None = Field(description="cosine threshold of the model (from its manifest)")
     threshold_far: float | None = Field(description="false-accept rate the threshold was calibrated for")
     threshold_source: str | None = None
-    faces: list[Face] = Field(description="the face used from each photo, in request order")
+    faces: list[Face] | None = Field(
+        description="the face used from each photo, in request order (null for embeddings)"
+    )
 
 
 class Health(BaseModel):
@@ -53,6 +58,147 @@ class Health(BaseModel):
 
 
 class Ready(BaseModel):
-    status: str
+    status: str = Field(description="ready, loading or redis_unavailable")
     model_id: str | None = None
     provider: str | None = None
+    gallery_faces: int | None = Field(None, description="faces of this model in the search")
+    gallery_revision: int | None = None
+    message: str | None = None
+
+
+# -- bodies that carry embeddings instead of photos (application/json) ------------------------
+Vector = Annotated[list[float], Field(min_length=1, max_length=4096)]
+
+
+class VerifyEmbeddings(BaseModel):
+    embedding1: Vector
+    embedding2: Vector
+
+
+class FaceEmbeddings(BaseModel):
+    embeddings: list[Vector] = Field(min_length=1, description="one embedding per face, model's size")
+
+
+class BulkEmbeddings(BaseModel):
+    subjects: list[str] = Field(min_length=1, description="subject id of each embedding, same order")
+    embeddings: list[Vector] = Field(min_length=1)
+    create_subjects: bool = Field(False, description="create subjects that do not exist yet")
+
+
+# -- gallery --------------------------------------------------------------------------------
+MAX_METADATA_BYTES = 8192
+
+
+def _small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON")
+    return value
+
+
+class SubjectCreate(BaseModel):
+    id: str | None = Field(
+        None,
+        description="1-128 letters, digits or _ . - @ : (generated when left out)",
+        examples=["alice.smith"],
+    )
+    name: str | None = Field(None, max_length=256, examples=["Alice Smith"])
+    metadata: dict[str, Any] | None = Field(None, examples=[{"employee": 1042}])
+
+    _check_metadata = field_validator("metadata")(_small_metadata)
+
+
+class SubjectUpdate(BaseModel):
+    name: str | None = Field(None, max_length=256)
+    metadata: dict[str, Any] | None = Field(None, description="replaces the stored metadata")
+
+    _check_metadata = field_validator("metadata")(_small_metadata)
+
+
+class SubjectOut(BaseModel):
+    id: str
+    name: str | None
+    metadata: dict[str, Any]
+    created_at: str
+    updated_at: str
+    face_count: int = Field(description="faces enrolled, over all models")
+
+
+class SubjectPage(BaseModel):
+    subjects: list[SubjectOut]
+    total: int
+    offset: int
+    limit: int
+    next_offset: int | None = Field(description="offset of the next page; null on the last page")
+
+
+class SubjectDeleted(BaseModel):
+    id: str
+    faces_removed: int
+
+
+class FaceOut(BaseModel):
+    id: str
+    subject_id: str
+    model_id: str = Field(description="the model that made the embedding; only it compares with it")
+    photo_sha256: str = Field(description="SHA-256 of the photo's bytes (of the embedding for JSON)")
+    created_at: str
+    source: Literal["photo", "embedding"]
+    box: list[float] | None = None
+    landmarks: list[list[float]] | None = None
+    detection_score: float | None = None
+    embedding: list[float] | None = None
+
+
+class FaceDeleted(BaseModel):
+    id: str
+
+
+class EnrollItem(BaseModel):
+    index: int
+    filename: str | None = None
+    subject_id: str
+    status: str = Field(
+        description="ok, or an error code: no_face, multiple_faces, unreadable_image, image_too_large, "
+        "duplicate_photo, subject_not_found, invalid_embedding, invalid_request"
+    )
+    message: str | None = None
+    face: FaceOut | None = None
+
+
+class EnrollResponse(BaseModel):
+    model_id: str
+    enrolled: int
+    failed: int
+    subjects_created: list[str] = []
+    items: list[EnrollItem]
+
+
+# -- identification -------------------------------------------------------------------------
+class Candidate(BaseModel):
+    subject_id: str
+    name: str | None
+    score: float = Field(description="cosine of the subject's best-matching face")
+    face_id: str = Field(description="that face")
+
+
+class IdentifiedFace(BaseModel):
+    box: list[float] | None = None
+    landmarks: list[list[float]] | None = None
+    detection_score: float | None = None
+    status: Literal["known", "unknown"] = Field(
+        description="known: the best subject reaches the threshold; unknown: no subject does"
+    )
+    subject_id: str | None = Field(description="the best subject when known")
+    name: str | None = None
+    score: float | None = Field(description="the best subject's score (null with an empty gallery)")
+    candidates: list[Candidate] = Field(description="top-k subjects, best first")
+
+
+class IdentifyResponse(BaseModel):
+    model_id: str
+    threshold: float
+    threshold_far: float | None
+    threshold_source: str | None
+    k: int
+    gallery_faces: int = Field(description="faces of this model searched")
+    faces: list[IdentifiedFace]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
@@ -28,3 +29,28 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(MAX_IMAGE_BYTES, gt=0, description="per photo")
     max_image_pixels: int = Field(MAX_IMAGE_PIXELS, gt=0)
     max_photos_per_request: int = Field(16, gt=0)
+
+    # -- gallery and Redis ------------------------------------------------------------------
+    redis_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("SPHEREFACE_REDIS_URL", "REDIS_URL", "redis_url"),
+        description="Redis to keep the gallery in; unset: `sphereface serve` starts a local redis-server",
+    )
+    data_dir: Path = Field(Path(".sphereface"), description="local redis-server data (AOF) and admin key")
+    redis_prefix: str = Field("sf:", description="prefix of every key the service writes")
+    search: Literal["numpy", "redis"] = Field(
+        "numpy", description="identification search: in-process numpy (exact) or Redis Query Engine KNN"
+    )
+    identify_top_k: int = Field(5, ge=1, le=100)
+    max_faces_per_subject: int = Field(1000, gt=0)
+    max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="whole request body")
+    max_bulk_items: int = Field(256, gt=0, description="photos per bulk enrollment request")
+
+    # -- access -----------------------------------------------------------------------------
+    api_key: SecretStr | None = Field(
+        None, description="an admin API key accepted besides the keys stored (hashed) in Redis"
+    )
+    auth: Literal["on", "off"] = Field("on", description="off: no API key needed (development only)")
+
+    # -- process ----------------------------------------------------------------------------
+    workers: int = Field(1, ge=1)

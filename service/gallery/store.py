@@ -1,0 +1,502 @@
+"""The gallery in Redis: subjects and faces, changed atomically, every change on a stream.
+
+Keys (``P`` is the prefix, ``sf:`` by default):
+
+* ``P subject:{id}`` hash: ``id``, ``name``, ``metadata`` (JSON), ``created_at``, ``updated_at``;
+  ``P subjects`` sorted set of subject ids by creation time (for paging);
+  ``P subject:{id}:faces`` set of the subject's face ids.
+* ``P face:{face_id}`` hash: ``subject``, ``embedding`` (float32 little-endian bytes),
+  ``model_id``, ``photo_sha256``, ``created_at``, ``box``, ``landmarks`` (JSON),
+  ``detection_score``, ``source`` (``photo`` or ``embedding``).
+* ``P model:{model_id}:faces`` set of the face ids made by one model (a worker loads only its
+  own model's vectors: vectors of different models are never compared).
+* ``P photo:{model_id}:{sha256}``: the face id enrolled from that photo (duplicates rejected).
+* ``P rev``: the gallery revision, incremented by every change; ``P changes``: a stream with one
+  entry per change (``rev``, ``op`` add/remove, ``face``, ``subject``, ``model``), so every
+  worker can bring its in-process index up to date without reloading everything.
+
+Every change runs as one Lua script, so a face, its sets, the revision and the stream entry are
+written together or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import redis
+
+from service.errors import (
+    DuplicatePhotoError,
+    FaceNotFoundError,
+    InvalidEmbeddingError,
+    InvalidRequestError,
+    RedisUnavailableError,
+    ServiceError,
+    SubjectExistsError,
+    SubjectNotFoundError,
+)
+
+#: The change stream keeps about this many entries; a worker further behind reloads fully.
+STREAM_MAXLEN = 1_000_000
+
+_ADD_FACE = """
+-- KEYS: subject, subject faces, face, model faces, photo, rev, changes
+-- ARGV: face_id, subject_id, model_id, sha256, created_at, embedding, box, landmarks,
+--       detection_score, source, max_faces, stream_maxlen
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'subject_not_found', ''} end
+local existing = redis.call('GET', KEYS[5])
+if existing then return {'duplicate_photo', existing} end
+if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[11]) then return {'too_many_faces', ''} end
+redis.call('SET', KEYS[5], ARGV[1])
+redis.call('HSET', KEYS[3], 'subject', ARGV[2], 'model_id', ARGV[3], 'photo_sha256', ARGV[4],
+  'created_at', ARGV[5], 'embedding', ARGV[6], 'box', ARGV[7], 'landmarks', ARGV[8],
+  'detection_score', ARGV[9], 'source', ARGV[10])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[1])
+local rev = redis.call('INCR', KEYS[6])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[12], '*', 'rev', rev, 'op', 'add', 'face', ARGV[1],
+  'subject', ARGV[2], 'model', ARGV[3])
+return {'ok', tostring(rev)}
+"""
+
+_REMOVE_FACES = """
+-- KEYS: rev, changes; ARGV: prefix, stream_maxlen, face ids...
+-- Removes each face with its set memberships and photo key; one stream entry per face.
+local p = ARGV[1]
+local removed = 0
+for i = 3, #ARGV do
+  local fid = ARGV[i]
+  local fkey = p .. 'face:' .. fid
+  local f = redis.call('HMGET', fkey, 'subject', 'model_id', 'photo_sha256')
+  if f[1] then
+    redis.call('DEL', fkey)
+    redis.call('SREM', p .. 'subject:' .. f[1] .. ':faces', fid)
+    redis.call('SREM', p .. 'model:' .. f[2] .. ':faces', fid)
+    local pkey = p .. 'photo:' .. f[2] .. ':' .. f[3]
+    if redis.call('GET', pkey) == fid then redis.call('DEL', pkey) end
+    local rev = redis.call('INCR', KEYS[1])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'rev', rev, 'op', 'remove', 'face', fid,
+      'subject', f[1], 'model', f[2])
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+_CREATE_SUBJECT = """
+-- KEYS: subject, subjects; ARGV: id, name, metadata, created_at, score
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'name', ARGV[2], 'metadata', ARGV[3], 'created_at', ARGV[4],
+  'updated_at', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+return 1
+"""
+
+_DELETE_SUBJECT = """
+-- KEYS: subject, subject faces, subjects; ARGV: subject_id
+-- Deletes the subject record once its faces are gone (the caller removes them first).
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('SCARD', KEYS[2]) > 0 then return -2 end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+SUBJECT_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@:")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def check_subject_id(subject_id: str) -> str:
+    """Subject ids: 1-128 characters of letters, digits and ``_ . - @ :``."""
+    if not 1 <= len(subject_id) <= 128 or not set(subject_id) <= SUBJECT_ID_CHARS:
+        raise InvalidRequestError(
+            f"subject id {subject_id[:140]!r} is not valid: use 1-128 letters, digits or _ . - @ :"
+        )
+    return subject_id
+
+
+def new_face_id() -> str:
+    return secrets.token_hex(12)
+
+
+def embedding_sha256(vector: np.ndarray) -> str:
+    """The duplicate key of a face enrolled as an embedding: hash of its float32 bytes."""
+    return hashlib.sha256(np.asarray(vector, dtype="<f4").tobytes()).hexdigest()
+
+
+def check_embedding(values: Sequence[float] | np.ndarray, dim: int) -> np.ndarray:
+    """A client-supplied embedding as a unit float32 vector of the model's size (typed errors)."""
+    vector = np.asarray(values, dtype=np.float32).reshape(-1)
+    if vector.shape[0] != dim:
+        raise InvalidEmbeddingError(
+            f"an embedding must have {dim} values for this model, got {vector.shape[0]}"
+        )
+    if not np.all(np.isfinite(vector)):
+        raise InvalidEmbeddingError("an embedding must contain only finite numbers")
+    norm = float(np.linalg.norm(vector))
+    if norm < 1e-6:
+        raise InvalidEmbeddingError("an embedding must not be all zeros")
+    return vector / norm
+
+
+@dataclass
+class Subject:
+    id: str
+    name: str | None
+    metadata: dict[str, Any]
+    created_at: str
+    updated_at: str
+    face_count: int = 0
+
+
+@dataclass
+class NewFace:
+    """A face to enroll: its embedding (unit float32) and where it came from."""
+
+    embedding: np.ndarray
+    photo_sha256: str
+    box: list[float] | None = None
+    landmarks: list[list[float]] | None = None
+    detection_score: float | None = None
+    source: str = "photo"
+
+
+@dataclass
+class FaceRecord:
+    id: str
+    subject_id: str
+    model_id: str
+    photo_sha256: str
+    created_at: str
+    source: str
+    box: list[float] | None = None
+    landmarks: list[list[float]] | None = None
+    detection_score: float | None = None
+    embedding: np.ndarray | None = field(default=None, repr=False)
+
+
+@dataclass
+class GalleryStats:
+    subjects: int
+    faces: int
+    revision: int
+
+
+def _s(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class GalleryStore:
+    """Subjects and faces in one Redis (see the module docstring for the layout)."""
+
+    def __init__(
+        self, client: redis.Redis, prefix: str = "sf:", *, max_faces_per_subject: int = 1000
+    ) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.max_faces_per_subject = max_faces_per_subject
+        self._create_subject = client.register_script(_CREATE_SUBJECT)
+        self._add_face = client.register_script(_ADD_FACE)
+        self._remove_faces = client.register_script(_REMOVE_FACES)
+        self._delete_subject = client.register_script(_DELETE_SUBJECT)
+
+    # -- keys -------------------------------------------------------------------------------
+    def subject_key(self, subject_id: str) -> str:
+        return f"{self.prefix}subject:{subject_id}"
+
+    def subject_faces_key(self, subject_id: str) -> str:
+        return f"{self.prefix}subject:{subject_id}:faces"
+
+    def face_key(self, face_id: str) -> str:
+        return f"{self.prefix}face:{face_id}"
+
+    def model_faces_key(self, model_id: str) -> str:
+        return f"{self.prefix}model:{model_id}:faces"
+
+    def photo_key(self, model_id: str, sha256: str) -> str:
+        return f"{self.prefix}photo:{model_id}:{sha256}"
+
+    @property
+    def subjects_key(self) -> str:
+        return f"{self.prefix}subjects"
+
+    @property
+    def rev_key(self) -> str:
+        return f"{self.prefix}rev"
+
+    @property
+    def changes_key(self) -> str:
+        return f"{self.prefix}changes"
+
+    # -- subjects ---------------------------------------------------------------------------
+    def create_subject(
+        self, subject_id: str | None = None, name: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> Subject:
+        subject_id = check_subject_id(subject_id) if subject_id else secrets.token_hex(8)
+        created = now_iso()
+        with _redis_errors():
+            done = self._create_subject(
+                keys=[self.subject_key(subject_id), self.subjects_key],
+                args=[subject_id, name or "", json.dumps(metadata or {}), created, repr(time.time())],
+            )
+        if not done:
+            raise SubjectExistsError(f"subject {subject_id!r} already exists")
+        return Subject(subject_id, name, metadata or {}, created, created, 0)
+
+    def ensure_subjects(self, subject_ids: Sequence[str]) -> list[str]:
+        """Create the subjects that do not exist yet (bulk enrollment); returns those created."""
+        created = []
+        for sid in dict.fromkeys(subject_ids):
+            try:
+                self.create_subject(sid)
+                created.append(sid)
+            except SubjectExistsError:
+                pass
+        return created
+
+    def get_subject(self, subject_id: str) -> Subject:
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(self.subject_key(subject_id))
+            pipe.scard(self.subject_faces_key(subject_id))
+            record, count = pipe.execute()
+        if not record or b"created_at" not in record:
+            raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
+        return self._subject(record, count)
+
+    @staticmethod
+    def _subject(record: dict[bytes, bytes], face_count: int) -> Subject:
+        return Subject(
+            id=record[b"id"].decode(),
+            name=record.get(b"name", b"").decode() or None,
+            metadata=json.loads(record.get(b"metadata", b"{}")),
+            created_at=record[b"created_at"].decode(),
+            updated_at=record.get(b"updated_at", record[b"created_at"]).decode(),
+            face_count=face_count,
+        )
+
+    def subject_names(self, subject_ids: Sequence[str]) -> dict[str, str | None]:
+        if not subject_ids:
+            return {}
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for sid in subject_ids:
+                pipe.hget(self.subject_key(sid), "name")
+            names = pipe.execute()
+        return {sid: (_s(n) or None) for sid, n in zip(subject_ids, names, strict=True)}
+
+    def list_subjects(self, offset: int = 0, limit: int = 50) -> tuple[list[Subject], int]:
+        """A page of subjects in creation order, and the total count."""
+        with _redis_errors():
+            total = self.redis.zcard(self.subjects_key)
+            ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
+            pipe = self.redis.pipeline(transaction=False)
+            for sid in ids:
+                pipe.hgetall(self.subject_key(sid))
+                pipe.scard(self.subject_faces_key(sid))
+            replies = pipe.execute()
+        subjects = [
+            self._subject(replies[2 * i], replies[2 * i + 1])
+            for i in range(len(ids))
+            if replies[2 * i] and b"created_at" in replies[2 * i]
+        ]
+        return subjects, total
+
+    def update_subject(
+        self, subject_id: str, name: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> Subject:
+        key = self.subject_key(subject_id)
+        fields: dict[str, str] = {"updated_at": now_iso()}
+        if name is not None:
+            fields["name"] = name
+        if metadata is not None:
+            fields["metadata"] = json.dumps(metadata)
+        with _redis_errors():
+            # WATCH makes the update fail rather than resurrect a subject deleted meanwhile.
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.watch(key)
+                if not pipe.hexists(key, "created_at"):
+                    raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
+                pipe.multi()
+                pipe.hset(key, mapping=fields)
+                pipe.execute()
+        return self.get_subject(subject_id)
+
+    def delete_subject(self, subject_id: str) -> int:
+        """Delete a subject and all its faces; returns how many faces went with it."""
+        self.get_subject(subject_id)
+        removed = 0
+        with _redis_errors():
+            while True:
+                face_ids = [f.decode() for f in self.redis.smembers(self.subject_faces_key(subject_id))]
+                if face_ids:
+                    removed += self.remove_faces(face_ids)
+                status = self._delete_subject(
+                    keys=[
+                        self.subject_key(subject_id),
+                        self.subject_faces_key(subject_id),
+                        self.subjects_key,
+                    ],
+                    args=[subject_id],
+                )
+                if status != -2:  # -2: a face was enrolled meanwhile; remove it too
+                    break
+        return removed
+
+    # -- faces ------------------------------------------------------------------------------
+    def add_faces(
+        self, subject_id: str, model_id: str, faces: Sequence[NewFace]
+    ) -> list[FaceRecord | ServiceError]:
+        """Enroll faces for one subject; one result per face (a record or a typed error)."""
+        return self.add_faces_bulk([(subject_id, face) for face in faces], model_id)
+
+    def add_faces_bulk(
+        self, items: Sequence[tuple[str, NewFace]], model_id: str
+    ) -> list[FaceRecord | ServiceError]:
+        """Enroll (subject id, face) pairs in one round trip; each is atomic on its own."""
+        created = now_iso()
+        face_ids = [new_face_id() for _ in items]
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for face_id, (subject_id, face) in zip(face_ids, items, strict=True):
+                self._add_face(
+                    keys=[
+                        self.subject_key(subject_id),
+                        self.subject_faces_key(subject_id),
+                        self.face_key(face_id),
+                        self.model_faces_key(model_id),
+                        self.photo_key(model_id, face.photo_sha256),
+                        self.rev_key,
+                        self.changes_key,
+                    ],
+                    args=[
+                        face_id,
+                        subject_id,
+                        model_id,
+                        face.photo_sha256,
+                        created,
+                        np.asarray(face.embedding, dtype="<f4").tobytes(),
+                        json.dumps(face.box),
+                        json.dumps(face.landmarks),
+                        "" if face.detection_score is None else repr(float(face.detection_score)),
+                        face.source,
+                        self.max_faces_per_subject,
+                        STREAM_MAXLEN,
+                    ],
+                    client=pipe,
+                )
+            replies = pipe.execute()
+        results: list[FaceRecord | ServiceError] = []
+        for face_id, (subject_id, face), (status, detail) in zip(face_ids, items, replies, strict=True):
+            status = _s(status)
+            if status == "ok":
+                results.append(
+                    FaceRecord(
+                        id=face_id,
+                        subject_id=subject_id,
+                        model_id=model_id,
+                        photo_sha256=face.photo_sha256,
+                        created_at=created,
+                        source=face.source,
+                        box=face.box,
+                        landmarks=face.landmarks,
+                        detection_score=face.detection_score,
+                    )
+                )
+            elif status == "subject_not_found":
+                results.append(SubjectNotFoundError(f"subject {subject_id!r} does not exist"))
+            elif status == "duplicate_photo":
+                results.append(
+                    DuplicatePhotoError(f"this photo is already enrolled for this model as face {_s(detail)}")
+                )
+            else:
+                results.append(
+                    InvalidRequestError(
+                        f"subject {subject_id!r} already has {self.max_faces_per_subject} faces (the limit)"
+                    )
+                )
+        return results
+
+    def get_face(self, face_id: str, *, with_embedding: bool = False) -> FaceRecord:
+        with _redis_errors():
+            record = self.redis.hgetall(self.face_key(face_id))
+        if not record:
+            raise FaceNotFoundError(f"face {face_id!r} does not exist")
+        return self._face(face_id, record, with_embedding)
+
+    @staticmethod
+    def _face(face_id: str, record: dict[bytes, bytes], with_embedding: bool) -> FaceRecord:
+        score = record.get(b"detection_score", b"")
+        return FaceRecord(
+            id=face_id,
+            subject_id=record[b"subject"].decode(),
+            model_id=record[b"model_id"].decode(),
+            photo_sha256=record[b"photo_sha256"].decode(),
+            created_at=record[b"created_at"].decode(),
+            source=record.get(b"source", b"photo").decode(),
+            box=json.loads(record.get(b"box", b"null")),
+            landmarks=json.loads(record.get(b"landmarks", b"null")),
+            detection_score=float(score) if score else None,
+            embedding=np.frombuffer(record[b"embedding"], dtype="<f4").copy() if with_embedding else None,
+        )
+
+    def subject_faces(self, subject_id: str, *, with_embedding: bool = False) -> list[FaceRecord]:
+        self.get_subject(subject_id)
+        with _redis_errors():
+            ids = sorted(f.decode() for f in self.redis.smembers(self.subject_faces_key(subject_id)))
+            pipe = self.redis.pipeline(transaction=False)
+            for face_id in ids:
+                pipe.hgetall(self.face_key(face_id))
+            records = pipe.execute()
+        faces = [self._face(i, r, with_embedding) for i, r in zip(ids, records, strict=True) if r]
+        return sorted(faces, key=lambda f: (f.created_at, f.id))
+
+    def remove_faces(self, face_ids: Sequence[str]) -> int:
+        """Remove faces (unknown ids are ignored); returns how many were removed."""
+        with _redis_errors():
+            return int(
+                self._remove_faces(
+                    keys=[self.rev_key, self.changes_key], args=[self.prefix, STREAM_MAXLEN, *face_ids]
+                )
+            )
+
+    def delete_face(self, face_id: str) -> None:
+        if self.remove_faces([face_id]) == 0:
+            raise FaceNotFoundError(f"face {face_id!r} does not exist")
+
+    # -- whole gallery ----------------------------------------------------------------------
+    def revision(self) -> int:
+        with _redis_errors():
+            return int(self.redis.get(self.rev_key) or 0)
+
+    def stats(self, model_id: str) -> GalleryStats:
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zcard(self.subjects_key)
+            pipe.scard(self.model_faces_key(model_id))
+            pipe.get(self.rev_key)
+            subjects, faces, rev = pipe.execute()
+        return GalleryStats(subjects=subjects, faces=faces, revision=int(rev or 0))
+
+
+class _redis_errors:
+    """Turn Redis connection failures into a typed 503 answer."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            raise RedisUnavailableError(f"the gallery's Redis is unreachable: {exc}") from exc
+        return False

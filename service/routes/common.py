@@ -1,0 +1,162 @@
+"""What the routes share: app state, bodies that are photos or JSON, photos to faces."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import FormData, UploadFile
+
+from models.errors import FacePathError, ImageTooLargeError
+from models.image import decode_image
+from models.mtcnn import DetectedFace
+from models.pipeline import FacePipeline
+from service.errors import InvalidRequestError, ServiceError
+from service.metrics import Metrics
+from service.schemas import Face
+from service.settings import Settings
+
+
+class UnsupportedMediaTypeError(ServiceError):
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+def get_pipeline(request: Request) -> FacePipeline:
+    return request.app.state.pipeline
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def face_schema(face: DetectedFace) -> Face:
+    return Face(box=face.box.tolist(), landmarks=face.landmarks.tolist(), detection_score=face.score)
+
+
+async def read_body(request: Request, model: type[BaseModel], *, max_files: int) -> BaseModel | FormData:
+    """The request's JSON body validated as ``model``, or its multipart form (photos)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/json":
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err.get('msg')}"
+                for err in exc.errors()
+            )
+            raise InvalidRequestError(problems) from exc
+    if content_type == "multipart/form-data":
+        return await request.form(max_files=max_files, max_fields=max_files + 64)
+    raise UnsupportedMediaTypeError(
+        "send photos as multipart/form-data or embeddings as application/json, "
+        f"not {content_type or 'nothing'!r}"
+    )
+
+
+def form_files(form: FormData, name: str, *, required: bool = True) -> list[UploadFile]:
+    files = [f for f in form.getlist(name) if isinstance(f, UploadFile)]
+    if required and not files:
+        raise InvalidRequestError(f"the form has no file field {name!r}")
+    return files
+
+
+@dataclass
+class PhotoFaces:
+    """One uploaded photo after decoding and detection (before embedding)."""
+
+    sha256: str
+    faces: list[DetectedFace]
+    crops: np.ndarray
+
+
+class FaceWork:
+    """Photos to faces to embeddings, each stage timed in the metrics."""
+
+    def __init__(self, pipeline: FacePipeline, settings: Settings, metrics: Metrics) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.metrics = metrics
+
+    def read(self, upload: UploadFile) -> tuple[np.ndarray, str]:
+        """Read and decode an upload within the limits; returns the image and the bytes' SHA-256."""
+        limit = self.settings.max_upload_bytes
+        name = upload.filename or "photo"
+        with self.metrics.stage("decode"):
+            upload.file.seek(0)
+            data = upload.file.read(limit + 1)
+            if len(data) > limit:
+                raise ImageTooLargeError(f"{name} is larger than {limit} bytes")
+            try:
+                image = decode_image(data, max_bytes=limit, max_pixels=self.settings.max_image_pixels)
+            except FacePathError as exc:
+                exc.message = f"{name}: {exc.message}"
+                raise
+        return image, hashlib.sha256(data).hexdigest()
+
+    def detect(self, upload: UploadFile, policy: str) -> PhotoFaces:
+        """Decode, detect, select (policy) and align; typed errors name the photo."""
+        image, sha = self.read(upload)
+        try:
+            with self.metrics.stage("detect"):
+                faces, crops = self.pipeline.crops(image, policy)
+        except FacePathError as exc:
+            exc.message = f"{upload.filename or 'photo'}: {exc.message}"
+            raise
+        self.metrics.count_faces(len(faces))
+        return PhotoFaces(sha, faces, crops)
+
+    def embed(self, crops: list[np.ndarray] | np.ndarray) -> np.ndarray:
+        """Embed aligned crops in batches (one array per photo, or one stacked array)."""
+        if isinstance(crops, list):
+            if not crops:
+                return np.zeros((0, self.pipeline.manifest.output_size), np.float32)
+            crops = np.concatenate(crops)
+        with self.metrics.stage("embed"):
+            return self.pipeline.embed_aligned(crops)
+
+    def error(self, exc: FacePathError) -> dict[str, Any]:
+        self.metrics.count_photo_error(exc.code)
+        return {"status": exc.code, "message": exc.message}
+
+
+def get_face_work(request: Request) -> FaceWork:
+    state = request.app.state
+    return FaceWork(state.pipeline, state.settings, state.metrics)
+
+
+def openapi_body(
+    files: dict[str, str],
+    json_model: type[BaseModel] | None = None,
+    *,
+    many: str = "",
+    text_lists: dict[str, str] | None = None,
+) -> dict:
+    """``openapi_extra`` documenting a body that is photos (multipart) or, optionally, JSON.
+
+    ``files`` maps each file field to its description; the field named ``many`` takes several;
+    ``text_lists`` are repeated text fields.
+    """
+    properties: dict[str, Any] = {
+        name: {"type": "array", "items": {"type": "string"}, "description": description}
+        for name, description in (text_lists or {}).items()
+    }
+    for name, description in files.items():
+        one = {"type": "string", "format": "binary"}
+        properties[name] = (
+            {"type": "array", "items": one, "description": description}
+            if name == many
+            else {**one, "description": description}
+        )
+    content: dict[str, Any] = {
+        "multipart/form-data": {
+            "schema": {"type": "object", "properties": properties, "required": list(properties)}
+        }
+    }
+    if json_model is not None:
+        content["application/json"] = {"schema": json_model.model_json_schema()}
+    return {"requestBody": {"required": True, "content": content}}

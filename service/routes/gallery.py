@@ -1,0 +1,307 @@
+"""The gallery: subjects, their faces, bulk enrollment. Reads need a read key, changes an admin key."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+
+from models.errors import FacePathError, ImageTooLargeError
+from service.auth import require_admin, require_read
+from service.errors import InvalidRequestError, ServiceError
+from service.gallery.store import (
+    FaceRecord,
+    GalleryStore,
+    NewFace,
+    Subject,
+    check_embedding,
+    check_subject_id,
+    embedding_sha256,
+)
+from service.routes.common import FaceWork, form_files, get_face_work, openapi_body, read_body
+from service.schemas import (
+    BulkEmbeddings,
+    EnrollItem,
+    EnrollResponse,
+    ErrorResponse,
+    FaceDeleted,
+    FaceEmbeddings,
+    FaceOut,
+    SubjectCreate,
+    SubjectDeleted,
+    SubjectOut,
+    SubjectPage,
+    SubjectUpdate,
+)
+
+router = APIRouter(tags=["gallery"])
+ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 413, 415, 422, 503)}
+SubjectId = Annotated[str, Path(description="the subject's id", max_length=128)]
+EnrollPolicy = Annotated[
+    Literal["reject", "largest", "central"],
+    Query(
+        description="a photo with several faces: reject it (multiple_faces), "
+        "or enroll its largest/central face"
+    ),
+]
+
+
+def get_store(request: Request) -> GalleryStore:
+    return request.app.state.store
+
+
+Store = Annotated[GalleryStore, Depends(get_store)]
+
+
+def _subject(subject: Subject) -> SubjectOut:
+    return SubjectOut(**subject.__dict__)
+
+
+def _face(face: FaceRecord) -> FaceOut:
+    fields = {k: v for k, v in face.__dict__.items() if k != "embedding"}
+    embedding = None if face.embedding is None else face.embedding.tolist()
+    return FaceOut(**fields, embedding=embedding)
+
+
+# -- subjects -----------------------------------------------------------------------------------
+@router.post(
+    "/subjects",
+    status_code=status.HTTP_201_CREATED,
+    response_model=SubjectOut,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Create a subject (a person of the gallery)",
+)
+def create_subject(store: Store, body: SubjectCreate) -> SubjectOut:
+    """Errors: `subject_exists` (409), `invalid_request` (422: bad id)."""
+    return _subject(store.create_subject(body.id, body.name, body.metadata))
+
+
+@router.get(
+    "/subjects",
+    response_model=SubjectPage,
+    responses=ERRORS,
+    dependencies=[Depends(require_read)],
+    summary="List subjects, a page at a time, in creation order",
+)
+def list_subjects(
+    store: Store,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> SubjectPage:
+    subjects, total = store.list_subjects(offset, limit)
+    following = offset + limit
+    return SubjectPage(
+        subjects=[_subject(s) for s in subjects],
+        total=total,
+        offset=offset,
+        limit=limit,
+        next_offset=following if following < total else None,
+    )
+
+
+@router.get(
+    "/subjects/{subject_id}",
+    response_model=SubjectOut,
+    responses=ERRORS,
+    dependencies=[Depends(require_read)],
+    summary="One subject",
+)
+def get_subject(store: Store, subject_id: SubjectId) -> SubjectOut:
+    return _subject(store.get_subject(subject_id))
+
+
+@router.patch(
+    "/subjects/{subject_id}",
+    response_model=SubjectOut,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Change a subject's name or metadata",
+)
+def update_subject(store: Store, subject_id: SubjectId, body: SubjectUpdate) -> SubjectOut:
+    return _subject(store.update_subject(subject_id, body.name, body.metadata))
+
+
+@router.delete(
+    "/subjects/{subject_id}",
+    response_model=SubjectDeleted,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Delete a subject and all its faces",
+)
+def delete_subject(store: Store, subject_id: SubjectId) -> SubjectDeleted:
+    return SubjectDeleted(id=subject_id, faces_removed=store.delete_subject(subject_id))
+
+
+# -- faces --------------------------------------------------------------------------------------
+@router.post(
+    "/subjects/{subject_id}/faces",
+    response_model=EnrollResponse,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Enroll faces of a subject from photos (or embeddings)",
+    openapi_extra=openapi_body(
+        {"photos": "one or more photos of the subject"}, FaceEmbeddings, many="photos"
+    ),
+)
+async def add_faces(
+    request: Request,
+    store: Store,
+    work: Annotated[FaceWork, Depends(get_face_work)],
+    subject_id: SubjectId,
+    multiple_faces: EnrollPolicy = "reject",
+) -> EnrollResponse:
+    """One face per photo; each item gets a status: `ok` with the stored face, or an error code
+    (`no_face`, `multiple_faces`, `unreadable_image`, `image_too_large`, `duplicate_photo`,
+    `invalid_embedding`). JSON bodies `{"embeddings": [[...], ...]}` enroll embeddings of this
+    model. The subject must exist (`subject_not_found`, 404)."""
+    store.get_subject(subject_id)
+    body = await read_body(request, FaceEmbeddings, max_files=work.settings.max_bulk_items)
+    if isinstance(body, FaceEmbeddings):
+        items = [(subject_id, v) for v in body.embeddings]
+        return await run_in_threadpool(_enroll_embeddings, store, work, items, [])
+    uploads = form_files(body, "photos")
+    return await run_in_threadpool(
+        _enroll_photos, store, work, [(subject_id, u) for u in uploads], multiple_faces, []
+    )
+
+
+@router.get(
+    "/subjects/{subject_id}/faces",
+    response_model=list[FaceOut],
+    responses=ERRORS,
+    dependencies=[Depends(require_read)],
+    summary="The faces of a subject",
+)
+def list_faces(
+    store: Store,
+    subject_id: SubjectId,
+    embeddings: Annotated[bool, Query(description="include the embeddings")] = False,
+) -> list[FaceOut]:
+    return [_face(f) for f in store.subject_faces(subject_id, with_embedding=embeddings)]
+
+
+@router.delete(
+    "/faces/{face_id}",
+    response_model=FaceDeleted,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Delete one face",
+)
+def delete_face(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> FaceDeleted:
+    store.delete_face(face_id)
+    return FaceDeleted(id=face_id)
+
+
+# -- bulk enrollment ----------------------------------------------------------------------------
+@router.post(
+    "/enroll",
+    response_model=EnrollResponse,
+    responses=ERRORS,
+    dependencies=[Depends(require_admin)],
+    summary="Bulk enrollment: many photos (or embeddings) for many subjects",
+    openapi_extra=openapi_body(
+        {"photos": "the photos"},
+        BulkEmbeddings,
+        many="photos",
+        text_lists={"subjects": "the subject id of each photo, in the same order (repeat the field)"},
+    ),
+)
+async def enroll(
+    request: Request,
+    store: Store,
+    work: Annotated[FaceWork, Depends(get_face_work)],
+    multiple_faces: EnrollPolicy = "reject",
+    create_subjects: Annotated[bool, Query(description="create subjects that do not exist yet")] = False,
+) -> EnrollResponse:
+    """Multipart: files `photos` and, for each, a text field `subjects` (same order). JSON:
+    `{"subjects": [...], "embeddings": [[...], ...], "create_subjects": false}`. Each item is
+    enrolled on its own and gets its own status (see `POST /v1/subjects/{id}/faces`); photos are
+    embedded in batches. At most `SPHEREFACE_MAX_BULK_ITEMS` items per request."""
+    limit = work.settings.max_bulk_items
+    body = await read_body(request, BulkEmbeddings, max_files=limit)
+    if isinstance(body, BulkEmbeddings):
+        subjects, payload = body.subjects, body.embeddings
+        create_subjects = create_subjects or body.create_subjects
+    else:
+        payload = form_files(body, "photos")
+        subjects = [s for s in body.getlist("subjects") if isinstance(s, str)]
+    if len(subjects) != len(payload):
+        raise InvalidRequestError(f"got {len(payload)} photos or embeddings but {len(subjects)} subject ids")
+    if len(payload) > limit:
+        raise ImageTooLargeError(f"at most {limit} items per bulk enrollment request")
+    for sid in subjects:
+        check_subject_id(sid)
+    created = await run_in_threadpool(store.ensure_subjects, subjects) if create_subjects else []
+    items = list(zip(subjects, payload, strict=True))
+    if isinstance(body, BulkEmbeddings):
+        return await run_in_threadpool(_enroll_embeddings, store, work, items, created)
+    return await run_in_threadpool(_enroll_photos, store, work, items, multiple_faces, created)
+
+
+def _enroll_embeddings(store: GalleryStore, work: FaceWork, items, created: list[str]) -> EnrollResponse:
+    dim = work.pipeline.manifest.output_size
+    results: list[EnrollItem] = []
+    ready: list[tuple[int, str, NewFace]] = []
+    for index, (subject_id, values) in enumerate(items):
+        try:
+            vector = check_embedding(values, dim)
+        except ServiceError as exc:
+            results.append(
+                EnrollItem(index=index, subject_id=subject_id, status=exc.code, message=exc.message)
+            )
+            continue
+        ready.append((index, subject_id, NewFace(vector, embedding_sha256(vector), source="embedding")))
+    return _store(store, work, ready, results, created, filenames={})
+
+
+def _enroll_photos(
+    store: GalleryStore, work: FaceWork, items, policy: str, created: list[str]
+) -> EnrollResponse:
+    results: list[EnrollItem] = []
+    detected = []
+    filenames = {}
+    for index, (subject_id, upload) in enumerate(items):
+        filenames[index] = upload.filename
+        try:
+            detected.append((index, subject_id, work.detect(upload, policy)))
+        except FacePathError as exc:
+            error = work.error(exc)
+            results.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
+    vectors = work.embed([photo.crops[:1] for _, _, photo in detected])
+    ready = []
+    for (index, subject_id, photo), vector in zip(detected, vectors, strict=True):
+        face = photo.faces[0]
+        new = NewFace(vector, photo.sha256, face.box.tolist(), face.landmarks.tolist(), float(face.score))
+        ready.append((index, subject_id, new))
+    return _store(store, work, ready, results, created, filenames)
+
+
+def _store(
+    store: GalleryStore,
+    work: FaceWork,
+    ready: list[tuple[int, str, NewFace]],
+    results: list[EnrollItem],
+    created: list[str],
+    filenames: dict[int, str | None],
+) -> EnrollResponse:
+    """Write the enrollable faces in one round trip and merge their outcomes with the failures."""
+    with work.metrics.stage("redis"):
+        outcomes = store.add_faces_bulk([(s, f) for _, s, f in ready], work.pipeline.manifest.model_id)
+    for (index, subject_id, _), outcome in zip(ready, outcomes, strict=True):
+        item = EnrollItem(index=index, filename=filenames.get(index), subject_id=subject_id, status="ok")
+        if isinstance(outcome, ServiceError):
+            item.status, item.message = outcome.code, outcome.message
+        else:
+            item.face = _face(outcome)
+        results.append(item)
+    results.sort(key=lambda item: item.index)
+    enrolled = sum(item.status == "ok" for item in results)
+    return EnrollResponse(
+        model_id=work.pipeline.manifest.model_id,
+        enrolled=enrolled,
+        failed=len(results) - enrolled,
+        subjects_created=created,
+        items=results,
+    )

@@ -1,0 +1,108 @@
+"""Identification: who in the gallery is each face of a photo?"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
+
+from service.auth import require_read
+from service.errors import ServiceError
+from service.gallery.store import check_embedding
+from service.routes.common import FaceWork, face_schema, form_files, get_face_work, openapi_body, read_body
+from service.schemas import Candidate, ErrorResponse, FaceEmbeddings, IdentifiedFace, IdentifyResponse
+
+router = APIRouter(tags=["identify"], dependencies=[Depends(require_read)])
+ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
+
+
+class NoThresholdError(ServiceError):
+    code = "no_threshold"
+    http_status = 422
+
+
+@router.post(
+    "/identify",
+    response_model=IdentifyResponse,
+    responses=ERRORS,
+    summary="Who is this? Top-k gallery subjects for every face of a photo",
+    openapi_extra=openapi_body({"photo": "a photo"}, FaceEmbeddings),
+)
+async def identify(
+    request: Request,
+    work: Annotated[FaceWork, Depends(get_face_work)],
+    k: Annotated[
+        int | None, Query(ge=1, le=100, description="subjects per face (default: server setting)")
+    ] = None,
+    faces: Annotated[
+        Literal["all", "largest", "central", "reject"],
+        Query(
+            description="which faces of the photo to identify (reject: a photo of several faces is an error)"
+        ),
+    ] = "all",
+    threshold: Annotated[
+        float | None,
+        Query(ge=-1, le=1, description="cosine threshold instead of the model's identification threshold"),
+    ] = None,
+) -> IdentifyResponse:
+    """Send a photo (multipart field `photo`) or embeddings of this model (JSON
+    `{"embeddings": [[...], ...]}`). For every face: the top-k subjects by the cosine of their
+    best-matching face, and `status` `known` (the best subject reaches the threshold) or
+    `unknown`. The threshold is the model's `identification` threshold (calibrated for a
+    false-accept rate of 1e-4 per comparison), else its `verification` one."""
+    body = await read_body(request, FaceEmbeddings, max_files=1)
+    return await run_in_threadpool(_identify, request.app.state, work, body, k, faces, threshold)
+
+
+def _identify(state, work: FaceWork, body, k: int | None, policy: str, threshold: float | None):
+    manifest = work.pipeline.manifest
+    k = k or work.settings.identify_top_k
+    if threshold is not None:
+        chosen = (threshold, None, "request")
+    else:
+        known = manifest.thresholds.get("identification") or manifest.thresholds.get("verification")
+        if known is None:
+            raise NoThresholdError(
+                f"model {manifest.model_id} has no calibrated threshold: pass ?threshold=<cosine>"
+            )
+        chosen = (known.value, known.far, known.source)
+    if isinstance(body, FaceEmbeddings):
+        vectors = np.stack([check_embedding(v, manifest.output_size) for v in body.embeddings])
+        detected = [None] * len(vectors)
+    else:
+        photo = work.detect(form_files(body, "photo")[0], policy)
+        vectors = work.embed(photo.crops)
+        detected = photo.faces
+    with work.metrics.stage("search"):
+        results = state.search.search(vectors, k)
+    with work.metrics.stage("redis"):
+        names = state.store.subject_names(sorted({hit.subject_id for hits in results for hit in hits}))
+    out = []
+    for face, hits in zip(detected, results, strict=True):
+        candidates = [
+            Candidate(subject_id=h.subject_id, name=names.get(h.subject_id), score=h.score, face_id=h.face_id)
+            for h in hits
+        ]
+        best = candidates[0] if candidates else None
+        is_known = best is not None and best.score >= chosen[0]
+        out.append(
+            IdentifiedFace(
+                **(face_schema(face).model_dump() if face is not None else {}),
+                status="known" if is_known else "unknown",
+                subject_id=best.subject_id if is_known else None,
+                name=best.name if is_known else None,
+                score=best.score if best else None,
+                candidates=candidates,
+            )
+        )
+    return IdentifyResponse(
+        model_id=manifest.model_id,
+        threshold=chosen[0],
+        threshold_far=chosen[1],
+        threshold_source=chosen[2],
+        k=k,
+        gallery_faces=len(state.search),
+        faces=out,
+    )
