@@ -81,16 +81,24 @@ def short_temp_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="sfr"))
 
 
-@pytest.fixture
-def redis_server():
-    """A fresh Debian ``redis-server`` (AOF, fsync always) on a unix socket, stopped after the test."""
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """Debian's ``redis-server``; fail in CI and skip elsewhere when it is not installed."""
     from service.errors import RedisSetupError
-    from service.redis_server import LocalRedis, find_redis_server
+    from service.redis_server import find_redis_server
 
     try:
-        binary = find_redis_server()
+        return find_redis_server()
     except RedisSetupError:
         fail_or_skip("redis-server not installed (make install runs apt-get install redis-server)")
+
+
+@pytest.fixture
+def redis_server(redis_binary: str):
+    """A fresh Debian ``redis-server`` (AOF, fsync always) on a unix socket, stopped after the test."""
+    from service.redis_server import LocalRedis
+
+    binary = redis_binary
     data_dir = short_temp_dir()
     server = LocalRedis(data_dir / "redis", binary=binary)
     try:

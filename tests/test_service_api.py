@@ -14,7 +14,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from service.app import create_app
+from service.redis_server import LocalRedis
 from service.settings import Settings
+from tests.conftest import short_temp_dir
 
 pytestmark = pytest.mark.shared_data
 
@@ -31,10 +33,15 @@ def model_with_threshold(reference_model_dir: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(model_with_threshold: Path):
-    app = create_app(Settings(model_dir=model_with_threshold, max_image_pixels=5_000_000))
-    with TestClient(app) as c:
-        yield c
+def client(model_with_threshold: Path, redis_binary: str):
+    folder = short_temp_dir()
+    with LocalRedis(folder / "redis", binary=redis_binary) as redis:
+        settings = Settings(
+            model_dir=model_with_threshold, max_image_pixels=5_000_000, redis_url=redis.url, auth="off"
+        )
+        with TestClient(create_app(settings)) as c:
+            yield c
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _people(photos_dir: Path) -> dict[str, list[Path]]:

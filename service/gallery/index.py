@@ -141,6 +141,7 @@ class LiveIndex:
         self.model_id = model_id
         self.index = VectorIndex(dim)
         self.revision = -1  # nothing loaded yet
+        self.epoch: bytes | None = None
         self.last_entry = "0-0"
         self.full_reloads = 0
         self.batch = batch
@@ -152,11 +153,20 @@ class LiveIndex:
     def refresh(self) -> int:
         """Bring the index up to date with Redis; returns the revision it now reflects."""
         with self._lock, _redis_errors():
-            current = int(self.store.redis.get(self.store.rev_key) or 0)
-            if current == self.revision:
+            current, epoch = self.store.revision_and_epoch()
+            if epoch == self.epoch and current == self.revision:
                 return current
-            if self.revision < 0 or not self._apply_changes():
-                self._reload()
+            # Reload when nothing is loaded yet; when the gallery in Redis is another one (a new
+            # epoch: flushed, or restored from a backup); when the revision went back; on a gap in
+            # the stream; and when the stream holds no entries up to ``current`` (trimmed past
+            # this worker: every change writes its entry with its rev).
+            if (
+                epoch != self.epoch
+                or current < self.revision
+                or not self._apply_changes()
+                or self.revision < current
+            ):
+                self._reload(epoch)
                 self._apply_changes()
             return self.revision
 
@@ -212,7 +222,7 @@ class LiveIndex:
                 np.stack([np.frombuffer(v, dtype="<f4") for _, _, v in kept]),
             )
 
-    def _reload(self) -> None:
+    def _reload(self, epoch: bytes) -> None:
         """Load every face of the model; remember the revision and stream position it reflects."""
         started = time.perf_counter()
         r = self.store.redis
@@ -229,6 +239,7 @@ class LiveIndex:
                 batch_ids = []
         self._load_faces(batch_ids)
         self.revision = int(rev or 0)
+        self.epoch = epoch
         self.last_entry = last[0][0].decode() if last else "0-0"
         self.full_reloads += 1
         log.info(

@@ -53,7 +53,9 @@ class RedisKnnSearch:
 
     def _info(self) -> dict:
         info = self.redis.execute_command("FT.INFO", self.index_name)
-        return dict(zip(map(_text, info[::2]), info[1::2], strict=True))
+        if isinstance(info, dict):  # RESP3: a map
+            return {_text(key): value for key, value in info.items()}
+        return dict(zip(map(_text, info[::2]), info[1::2], strict=True))  # RESP2: a flat list
 
     def _indexing(self) -> bool:
         return _text(self._info().get("indexing", 0)) not in ("0", "0.0")
@@ -65,6 +67,8 @@ class RedisKnnSearch:
 
     def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
+        if k < 1:  # as VectorIndex: no hits (the loop below would return every subject)
+            return [[] for _ in queries]
         with _redis_errors():
             return [self._search_one(q, k) for q in queries]
 
@@ -77,11 +81,10 @@ class RedisKnnSearch:
                 "PARAMS", "2", "vec", blob, "SORTBY", "dist", "RETURN", "2", "subject", "dist",
                 "LIMIT", "0", str(neighbours), "DIALECT", "2",
             )  # fmt: skip
-            total, rows = int(reply[0]), reply[1:]
+            rows = _search_rows(reply)
             hits: list[SubjectHit] = []
             seen: set[str] = set()
-            for key, fields in zip(rows[::2], rows[1::2], strict=True):
-                values = dict(zip(map(_text, fields[::2]), map(_text, fields[1::2]), strict=True))
+            for key, values in rows:
                 subject = values["subject"]
                 if subject in seen:
                     continue
@@ -91,7 +94,9 @@ class RedisKnnSearch:
                 hits.append(SubjectHit(subject, 1.0 - float(values["dist"]), face_id))
                 if len(hits) == k:
                     return hits
-            if len(rows) // 2 >= total or neighbours >= total:
+            # The reply's total is the size of the KNN result (at most ``neighbours``), not the
+            # number of faces: only a reply shorter than asked for shows that none are left.
+            if len(rows) < neighbours:
                 return hits
             neighbours *= 4
 
@@ -101,3 +106,21 @@ class RedisKnnSearch:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _search_rows(reply) -> list[tuple[bytes | str, dict[str, str]]]:
+    """(document key, returned fields) of an FT.SEARCH reply, RESP2 or RESP3."""
+    if isinstance(reply, dict):  # RESP3: {total_results, results: [{id, extra_attributes}, ...]}
+        reply = {_text(key): value for key, value in reply.items()}
+        rows = []
+        for result in reply.get("results", []):
+            result = {_text(key): value for key, value in result.items()}
+            fields = result.get("extra_attributes") or {}
+            rows.append((result["id"], {_text(k): _text(v) for k, v in fields.items()}))
+        return rows
+    # RESP2: [total, key, [field, value, ...], key, [...], ...]
+    body = reply[1:]
+    return [
+        (key, dict(zip(map(_text, fields[::2]), map(_text, fields[1::2]), strict=True)))
+        for key, fields in zip(body[::2], body[1::2], strict=True)
+    ]

@@ -11,6 +11,7 @@ Keys (``P`` is the prefix, ``sf:`` by default):
 * ``P model:{model_id}:faces`` set of the face ids made by one model (a worker loads only its
   own model's vectors: vectors of different models are never compared).
 * ``P photo:{model_id}:{sha256}``: the face id enrolled from that photo (duplicates rejected).
+* ``P epoch``: a random id of this gallery dataset (a flushed or restored Redis gets a new one).
 * ``P rev``: the gallery revision, incremented by every change; ``P changes``: a stream with one
   entry per change (``rev``, ``op`` add/remove, ``face``, ``subject``, ``model``), so every
   worker can bring its in-process index up to date without reloading everything.
@@ -144,10 +145,12 @@ def check_embedding(values: Sequence[float] | np.ndarray, dim: int) -> np.ndarra
         )
     if not np.all(np.isfinite(vector)):
         raise InvalidEmbeddingError("an embedding must contain only finite numbers")
-    norm = float(np.linalg.norm(vector))
+    # The norm in float64: in float32 the squares of values over ~1.8e19 overflow to inf, and the
+    # vector divided by an infinite norm would come back as all zeros.
+    norm = float(np.linalg.norm(vector.astype(np.float64)))
     if norm < 1e-6:
         raise InvalidEmbeddingError("an embedding must not be all zeros")
-    return vector / norm
+    return (vector.astype(np.float64) / norm).astype(np.float32)
 
 
 @dataclass
@@ -236,6 +239,10 @@ class GalleryStore:
         return f"{self.prefix}rev"
 
     @property
+    def epoch_key(self) -> str:
+        return f"{self.prefix}epoch"
+
+    @property
     def changes_key(self) -> str:
         return f"{self.prefix}changes"
 
@@ -243,7 +250,7 @@ class GalleryStore:
     def create_subject(
         self, subject_id: str | None = None, name: str | None = None, metadata: dict[str, Any] | None = None
     ) -> Subject:
-        subject_id = check_subject_id(subject_id) if subject_id else secrets.token_hex(8)
+        subject_id = check_subject_id(subject_id) if subject_id is not None else secrets.token_hex(8)
         created = now_iso()
         with _redis_errors():
             done = self._create_subject(
@@ -298,6 +305,9 @@ class GalleryStore:
 
     def list_subjects(self, offset: int = 0, limit: int = 50) -> tuple[list[Subject], int]:
         """A page of subjects in creation order, and the total count."""
+        if offset < 0 or limit < 1:
+            # ZRANGE 0 -1 would be the whole set, and negative offsets count from the end.
+            raise InvalidRequestError(f"offset must be >= 0 and limit >= 1, not {offset} and {limit}")
         with _redis_errors():
             total = self.redis.zcard(self.subjects_key)
             ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
@@ -476,6 +486,16 @@ class GalleryStore:
             raise FaceNotFoundError(f"face {face_id!r} does not exist")
 
     # -- whole gallery ----------------------------------------------------------------------
+    def revision_and_epoch(self) -> tuple[int, bytes]:
+        """The revision and the gallery's epoch: a random id set once per Redis dataset, so a
+        flushed or restored gallery (revision counted again from 0) is told from the one seen."""
+        with _redis_errors():
+            rev, epoch = self.redis.mget(self.rev_key, self.epoch_key)
+            if epoch is None:
+                self.redis.set(self.epoch_key, secrets.token_hex(8), nx=True)
+                rev, epoch = self.redis.mget(self.rev_key, self.epoch_key)
+        return int(rev or 0), epoch
+
     def revision(self) -> int:
         with _redis_errors():
             return int(self.redis.get(self.rev_key) or 0)

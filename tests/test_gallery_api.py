@@ -1,0 +1,341 @@
+"""The gallery API end to end: a real redis-server, real photos, the reference model.
+
+Seven people are enrolled from one photo each and identified from their other photos; strangers
+come back ``unknown``; both faces of a two-face photo are identified; every bad input gets its
+typed error; API-key scopes are enforced.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from service.app import create_app
+from service.auth import create_key
+from service.redis_server import LocalRedis
+from service.settings import Settings
+from tests.conftest import short_temp_dir
+
+pytestmark = pytest.mark.shared_data
+
+ADMIN = {"X-API-Key": "test-admin-key"}
+#: The reference model's cosine threshold at FAR 1e-3 on LFW through our detector (`make models`).
+LFW_FAR_1E3 = 0.4073
+
+
+@pytest.fixture(scope="module")
+def model_dir(reference_model_dir: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gallery") / "model"
+    shutil.copytree(reference_model_dir, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role in ("verification", "identification"):
+        manifest["thresholds"][role] = {"value": LFW_FAR_1E3, "far": 1e-3, "source": "LFW, make models"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(redis_binary):
+    folder = short_temp_dir()
+    redis = LocalRedis(folder / "redis", binary=redis_binary).start()
+    yield redis
+    redis.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def app(model_dir: Path, server: LocalRedis):
+    settings = Settings(
+        model_dir=model_dir,
+        redis_url=server.url,
+        api_key=ADMIN["X-API-Key"],
+        max_image_pixels=5_000_000,
+        max_request_bytes=8_000_000,
+    )
+    return create_app(settings)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def empty(client, server):
+    """Each test starts from an empty gallery."""
+    server.client().flushall()
+    yield client
+
+
+def people(photos_dir: Path) -> dict[str, list[Path]]:
+    return {d.name: sorted(d.glob("*.jpg")) for d in sorted((photos_dir / "people").iterdir())}
+
+
+def upload(path: Path, field: str = "photos"):
+    return (field, (path.name, path.read_bytes(), "image/jpeg"))
+
+
+def enroll_first_photos(client, photos_dir: Path) -> dict[str, list[Path]]:
+    folks = people(photos_dir)
+    for name, photos in folks.items():
+        r = client.post(
+            "/v1/subjects", json={"id": name, "name": name.replace("_", " ").title()}, headers=ADMIN
+        )
+        assert r.status_code == 201, r.text
+        r = client.post(f"/v1/subjects/{name}/faces", files=[upload(photos[0])], headers=ADMIN)
+        assert r.status_code == 200 and r.json()["enrolled"] == 1, r.text
+    return folks
+
+
+def identify(client, path: Path, **params) -> dict:
+    r = client.post("/v1/identify", files=[upload(path, "photo")], params=params, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_seven_people_enrolled_from_one_photo_are_identified_from_their_others(empty, photos_dir):
+    folks = enroll_first_photos(empty, photos_dir)
+    assert len(folks) == 7
+    for name, photos in folks.items():
+        for path in photos[1:]:
+            (face,) = identify(empty, path, faces="largest")["faces"]
+            assert face["status"] == "known", (name, path.name, face)
+            assert face["subject_id"] == name and face["name"] == name.replace("_", " ").title()
+            assert face["candidates"][0]["subject_id"] == name
+            scores = [c["score"] for c in face["candidates"]]
+            assert scores == sorted(scores, reverse=True) and len(scores) == 5  # top-5 of 7 subjects
+
+
+def test_a_stranger_is_unknown(empty, photos_dir):
+    enroll_first_photos(empty, photos_dir)
+    for stranger in ("single_adams.jpg", "single_carell.jpg"):
+        (face,) = identify(empty, photos_dir / "scenes" / stranger)["faces"]
+        assert face["status"] == "unknown" and face["subject_id"] is None
+        assert face["score"] < LFW_FAR_1E3 and face["candidates"]  # candidates are still listed
+
+
+def test_both_faces_of_a_two_face_photo_are_identified(empty, photos_dir):
+    enroll_first_photos(empty, photos_dir)
+    for photo, expected in (
+        ("two_faces_kit_rose.jpg", {"kit_harington", "rose_leslie"}),
+        ("two_faces_obama_biden.jpg", {"obama", "biden"}),
+    ):
+        body = identify(empty, photos_dir / "scenes" / photo)
+        known = [f["subject_id"] for f in body["faces"] if f["status"] == "known"]
+        assert sorted(known) == sorted(expected), body["faces"]
+        assert all(len(f["box"]) == 4 and len(f["landmarks"]) == 5 for f in body["faces"])
+        # obama_biden also shows a child in the foreground: found, and not in the gallery
+        assert len(body["faces"]) == {"two_faces_kit_rose.jpg": 2, "two_faces_obama_biden.jpg": 3}[photo]
+        assert body["threshold"] == pytest.approx(LFW_FAR_1E3) and body["threshold_far"] == 1e-3
+
+
+def test_scores_are_aggregated_per_subject_not_per_face(empty, photos_dir):
+    folks = people(photos_dir)
+    empty.post("/v1/subjects", json={"id": "obama"}, headers=ADMIN)
+    r = empty.post("/v1/subjects/obama/faces", files=[upload(p) for p in folks["obama"][:3]], headers=ADMIN)
+    assert r.json()["enrolled"] == 3
+    empty.post("/v1/subjects", json={"id": "biden"}, headers=ADMIN)
+    empty.post("/v1/subjects/biden/faces", files=[upload(folks["biden"][0])], headers=ADMIN)
+    (face,) = identify(empty, folks["obama"][3], k=5)["faces"]
+    assert [c["subject_id"] for c in face["candidates"]] == ["obama", "biden"]  # obama once, not 3 times
+
+
+def test_verify_genuine_and_impostor_pairs(empty, photos_dir):
+    folks = people(photos_dir)
+    for name, photos in folks.items():
+        r = empty.post(
+            "/v1/verify", files=[upload(photos[0], "photo1"), upload(photos[1], "photo2")], headers=ADMIN
+        )
+        assert r.json()["same_person"] is True, (name, r.json()["score"])
+    names = list(folks)
+    for a, b in zip(names, names[1:], strict=False):
+        files = [upload(folks[a][0], "photo1"), upload(folks[b][0], "photo2")]
+        body = empty.post("/v1/verify", files=files, headers=ADMIN).json()
+        assert body["same_person"] is False, (a, b, body["score"])
+
+
+def test_embeddings_instead_of_photos(empty, photos_dir):
+    folks = people(photos_dir)
+    r = empty.post("/v1/embed", files=[upload(folks["obama"][0]), upload(folks["obama"][1])], headers=ADMIN)
+    e1, e2 = (p["faces"][0]["embedding"] for p in r.json()["photos"])
+    r = empty.post("/v1/verify", json={"embedding1": e1, "embedding2": e2}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["same_person"] is True and r.json()["faces"] is None
+    assert r.json()["score"] == pytest.approx(float(np.dot(e1, e2)), abs=1e-5)
+    empty.post("/v1/subjects", json={"id": "obama"}, headers=ADMIN)
+    r = empty.post("/v1/subjects/obama/faces", json={"embeddings": [e1]}, headers=ADMIN)
+    assert r.json()["items"][0]["face"]["source"] == "embedding"
+    r = empty.post("/v1/subjects/obama/faces", json={"embeddings": [e1]}, headers=ADMIN)
+    assert r.json()["items"][0]["status"] == "duplicate_photo"
+    (face,) = empty.post("/v1/identify", json={"embeddings": [e2]}, headers=ADMIN).json()["faces"]
+    assert face["subject_id"] == "obama" and face["box"] is None
+    r = empty.post("/v1/verify", json={"embedding1": e1[:10], "embedding2": e2}, headers=ADMIN)
+    assert r.status_code == 422 and r.json()["code"] == "invalid_embedding"
+
+
+def test_subject_crud_paging_and_delete_cascade(empty, photos_dir):
+    folks = enroll_first_photos(empty, photos_dir)
+    page = empty.get("/v1/subjects", params={"limit": 3}, headers=ADMIN).json()
+    assert page["total"] == 7 and len(page["subjects"]) == 3 and page["next_offset"] == 3
+    rest = empty.get("/v1/subjects", params={"offset": 3, "limit": 10}, headers=ADMIN).json()
+    ids = [s["id"] for s in page["subjects"] + rest["subjects"]]
+    assert ids == list(folks) and rest["next_offset"] is None  # creation order
+
+    r = empty.patch("/v1/subjects/obama", json={"name": "Barack Obama", "metadata": {"n": 44}}, headers=ADMIN)
+    assert r.json()["name"] == "Barack Obama" and r.json()["metadata"] == {"n": 44}
+    subject = empty.get("/v1/subjects/obama", headers=ADMIN).json()
+    assert subject["face_count"] == 1 and subject["name"] == "Barack Obama"
+    faces = empty.get("/v1/subjects/obama/faces", params={"embeddings": True}, headers=ADMIN).json()
+    assert len(faces) == 1 and len(faces[0]["embedding"]) == 256 and len(faces[0]["photo_sha256"]) == 64
+
+    r = empty.delete("/v1/subjects/obama", headers=ADMIN)
+    assert r.json() == {"id": "obama", "faces_removed": 1}
+    (face,) = identify(empty, folks["obama"][1], faces="largest")["faces"]
+    assert "obama" not in [c["subject_id"] for c in face["candidates"]]
+    assert empty.get("/v1/subjects/obama", headers=ADMIN).json()["code"] == "subject_not_found"
+
+    biden_face = empty.get("/v1/subjects/biden/faces", headers=ADMIN).json()[0]["id"]
+    assert empty.delete(f"/v1/faces/{biden_face}", headers=ADMIN).json() == {"id": biden_face}
+    r = empty.delete(f"/v1/faces/{biden_face}", headers=ADMIN)
+    assert r.status_code == 404 and r.json()["code"] == "face_not_found"
+    assert empty.get("/v1/subjects/biden", headers=ADMIN).json()["face_count"] == 0
+
+
+def test_bulk_enrollment_reports_each_item(empty, photos_dir):
+    folks = people(photos_dir)
+    blank = io.BytesIO()
+    Image.new("RGB", (240, 240), (200, 30, 30)).save(blank, format="JPEG")
+    files = [
+        upload(folks["obama"][0]),
+        upload(folks["biden"][0]),
+        upload(folks["obama"][0]),  # the same photo again
+        ("photos", ("blank.jpg", blank.getvalue(), "image/jpeg")),
+        ("photos", ("notes.txt", b"not a photo", "text/plain")),
+        upload(photos_dir / "scenes" / "two_faces_kit_rose.jpg"),
+    ]
+    subjects = ["obama", "biden", "obama", "obama", "biden", "kit"]
+    r = empty.post("/v1/enroll", files=files, data={"subjects": subjects}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    statuses = [i["status"] for i in r.json()["items"]]
+    assert statuses == ["subject_not_found"] * 2 + [
+        "subject_not_found",
+        "no_face",
+        "unreadable_image",
+        "multiple_faces",
+    ]
+
+    r = empty.post(
+        "/v1/enroll",
+        files=files,
+        data={"subjects": subjects},
+        params={"create_subjects": True},
+        headers=ADMIN,
+    )
+    body = r.json()
+    assert [i["status"] for i in body["items"]] == [
+        "ok", "ok", "duplicate_photo", "no_face", "unreadable_image", "multiple_faces"
+    ]  # fmt: skip
+    assert (
+        body["enrolled"] == 2
+        and body["failed"] == 4
+        and set(body["subjects_created"]) == {"obama", "biden", "kit"}
+    )
+    assert [i["index"] for i in body["items"]] == list(range(6)) and body["items"][4][
+        "filename"
+    ] == "notes.txt"
+
+    r = empty.post("/v1/enroll", files=files[:2], data={"subjects": ["obama"]}, headers=ADMIN)
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request"
+
+
+def test_bad_input_gets_typed_errors(empty, photos_dir):
+    folks = people(photos_dir)
+    huge = io.BytesIO()
+    Image.new("RGB", (3000, 2000)).save(huge, format="JPEG")
+    scene = photos_dir / "scenes" / "two_faces_kit_rose.jpg"
+    obama = folks["obama"][0]
+    multipart = {**ADMIN, "content-type": "multipart/form-data; boundary=x"}
+    as_json = {**ADMIN, "content-type": "application/json"}
+    nan_body = ('{"embeddings": [[NaN' + ", 1.0" * 255 + "]]}").encode()
+
+    def post(path, **kw):
+        return empty.post(path, headers=kw.pop("headers", ADMIN), **kw)
+
+    cases = [
+        (post("/v1/identify", files=[("photo", ("x.jpg", b"garbage"))]), 422, "unreadable_image"),
+        (post("/v1/identify", files=[("photo", ("h.jpg", huge.getvalue()))]), 413, "image_too_large"),
+        (post("/v1/identify", files=[upload(obama, "other")]), 422, "invalid_request"),
+        (post("/v1/identify", content=b"abc", headers={**ADMIN, "content-type": "text/plain"}), 415,
+         "unsupported_media_type"),
+        (post("/v1/identify", json={"embeddings": [[1.0, 2.0]]}), 422, "invalid_embedding"),
+        (post("/v1/identify", content=nan_body, headers=as_json), 422, "invalid_embedding"),
+        (post("/v1/identify", json={"vectors": []}), 422, "invalid_request"),
+        (post("/v1/identify", files=[upload(scene, "photo")], params={"faces": "reject"}), 422,
+         "multiple_faces"),
+        (post("/v1/identify", params={"k": 0}, files=[upload(obama, "photo")]), 422, "invalid_request"),
+        (post("/v1/subjects", json={"id": "bad id/with slash"}), 422, "invalid_request"),
+        (post("/v1/subjects", json={"metadata": {"x": "y" * 9000}}), 422, "invalid_request"),
+        (empty.get("/v1/subjects/nobody", headers=ADMIN), 404, "subject_not_found"),
+        (post("/v1/subjects/nobody/faces", files=[upload(obama)]), 404, "subject_not_found"),
+        (empty.patch("/v1/subjects/nobody", json={"name": "x"}, headers=ADMIN), 404, "subject_not_found"),
+        (empty.get("/v1/nothing-here", headers=ADMIN), 404, "not_found"),
+        (post("/v1/verify", content=b"0" * 9_000_000, headers=multipart), 413, "request_too_large"),
+    ]  # fmt: skip
+    for response, status, code in cases:
+        assert (response.status_code, response.json()["code"]) == (status, code), response.text
+        assert response.json()["message"]
+    blank = io.BytesIO()
+    Image.new("RGB", (300, 300), (10, 200, 10)).save(blank, format="JPEG")
+    r = empty.post("/v1/identify", files=[("photo", ("green.jpg", blank.getvalue()))], headers=ADMIN)
+    assert (r.status_code, r.json()["code"]) == (422, "no_face") and "green.jpg" in r.json()["message"]
+    assert empty.post("/v1/subjects", json={"id": "a"}, headers=ADMIN).status_code == 201
+    r = empty.post("/v1/subjects", json={"id": "a"}, headers=ADMIN)
+    assert (r.status_code, r.json()["code"]) == (409, "subject_exists")
+
+
+def test_api_keys_and_scopes(empty, server, photos_dir):
+    read_key, _ = create_key(server.client(), "read", "test")
+    admin_key, _ = create_key(server.client(), "admin", "test")
+    photo = people(photos_dir)["obama"][0]
+    r = empty.post("/v1/identify", files=[upload(photo, "photo")])
+    assert (r.status_code, r.json()["code"]) == (401, "missing_api_key")
+    r = empty.post(
+        "/v1/identify", files=[upload(photo, "photo")], headers={"X-API-Key": "sfk_0123456789ab_nope"}
+    )
+    assert (r.status_code, r.json()["code"]) == (401, "invalid_api_key")
+    assert (
+        empty.post(
+            "/v1/identify", files=[upload(photo, "photo")], headers={"X-API-Key": read_key}
+        ).status_code
+        == 200
+    )
+    assert empty.get("/v1/subjects", headers={"X-API-Key": read_key}).status_code == 200
+    r = empty.post("/v1/subjects", json={"id": "x"}, headers={"X-API-Key": read_key})
+    assert (r.status_code, r.json()["code"]) == (403, "insufficient_scope")
+    assert empty.post("/v1/subjects", json={"id": "x"}, headers={"X-API-Key": admin_key}).status_code == 201
+    for open_path in ("/healthz", "/readyz", "/metrics"):
+        assert empty.get(open_path).status_code == 200
+
+
+def test_readiness_and_metrics(empty, photos_dir):
+    enroll_first_photos(empty, photos_dir)
+    ready = empty.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["gallery_faces"] == 7 and ready["gallery_revision"] == 7
+    identify(empty, people(photos_dir)["obama"][1])
+    text = empty.get("/metrics").text
+    assert "sphereface_gallery_faces 7.0" in text and "sphereface_gallery_subjects 7.0" in text
+    assert 'sphereface_requests_total{method="POST",route="/v1/identify",status="200"}' in text
+    for stage in ("decode", "detect", "embed", "search", "redis"):
+        line = next(
+            s
+            for s in text.splitlines()
+            if s.startswith(f'sphereface_stage_duration_seconds_count{{stage="{stage}"}}')
+        )
+        assert float(line.split()[-1]) >= 1, line
