@@ -54,6 +54,29 @@ def mobilefacenet_checkpoint() -> Path:
     return require_shared("reference_models/mobilefacenet_casia/068.ckpt")
 
 
+#: The reference model's cosine threshold at FAR 1e-3 on LFW through our detector (`make models`).
+REFERENCE_LFW_FAR_1E3 = 0.4073
+
+
+@pytest.fixture(scope="session")
+def calibrated_reference_model(reference_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference model with verification and identification thresholds in its manifest: the
+    cosine at FAR 1e-3 on LFW that `make models` measures (calibrating here would take minutes)."""
+    import json
+
+    out = tmp_path_factory.mktemp("calibrated") / "model"
+    shutil.copytree(reference_model_dir, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role in ("verification", "identification"):
+        manifest["thresholds"][role] = {
+            "value": REFERENCE_LFW_FAR_1E3,
+            "far": 1e-3,
+            "source": "LFW, make models",
+        }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
 @pytest.fixture(scope="session")
 def reference_model_dir(mobilefacenet_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference MobileFaceNet imported into a model folder once per test session."""

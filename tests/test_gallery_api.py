@@ -8,7 +8,6 @@ typed error; API-key scopes are enforced.
 from __future__ import annotations
 
 import io
-import json
 import shutil
 from pathlib import Path
 
@@ -21,24 +20,12 @@ from service.app import create_app
 from service.auth import create_key
 from service.redis_server import LocalRedis
 from service.settings import Settings
+from tests.conftest import REFERENCE_LFW_FAR_1E3 as LFW_FAR_1E3
 from tests.conftest import short_temp_dir
 
 pytestmark = pytest.mark.shared_data
 
 ADMIN = {"X-API-Key": "test-admin-key"}
-#: The reference model's cosine threshold at FAR 1e-3 on LFW through our detector (`make models`).
-LFW_FAR_1E3 = 0.4073
-
-
-@pytest.fixture(scope="module")
-def model_dir(reference_model_dir: Path, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gallery") / "model"
-    shutil.copytree(reference_model_dir, out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    for role in ("verification", "identification"):
-        manifest["thresholds"][role] = {"value": LFW_FAR_1E3, "far": 1e-3, "source": "LFW, make models"}
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +38,9 @@ def server(redis_binary):
 
 
 @pytest.fixture(scope="module")
-def app(model_dir: Path, server: LocalRedis):
+def app(calibrated_reference_model: Path, server: LocalRedis):
     settings = Settings(
-        model_dir=model_dir,
+        model_dir=calibrated_reference_model,
         redis_url=server.url,
         api_key=ADMIN["X-API-Key"],
         max_image_pixels=5_000_000,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import shutil
 from pathlib import Path
 
@@ -16,28 +15,17 @@ from PIL import Image
 from service.app import create_app
 from service.redis_server import LocalRedis
 from service.settings import Settings
-from tests.conftest import short_temp_dir
+from tests.conftest import REFERENCE_LFW_FAR_1E3, short_temp_dir
 
 pytestmark = pytest.mark.shared_data
 
 
 @pytest.fixture(scope="module")
-def model_with_threshold(reference_model_dir: Path, tmp_path_factory) -> Path:
-    """The reference model with a verification threshold in its manifest."""
-    out = tmp_path_factory.mktemp("thr") / "model"
-    shutil.copytree(reference_model_dir, out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["thresholds"]["verification"] = {"value": 0.3, "far": None, "source": "test"}
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
-
-
-@pytest.fixture(scope="module")
-def client(model_with_threshold: Path, redis_binary: str):
+def client(calibrated_reference_model: Path, redis_binary: str):
     folder = short_temp_dir()
     with LocalRedis(folder / "redis", binary=redis_binary) as redis:
         settings = Settings(
-            model_dir=model_with_threshold, max_image_pixels=5_000_000, redis_url=redis.url, auth="off"
+            model_dir=calibrated_reference_model, max_image_pixels=5_000_000, redis_url=redis.url, auth="off"
         )
         with TestClient(create_app(settings)) as c:
             yield c
@@ -73,7 +61,7 @@ def test_verify_decides_with_the_manifest_threshold(client, photos_dir):
     same = _verify(client, people["obama"][0], people["obama"][1])
     other = _verify(client, people["obama"][0], people["biden"][0])
     assert same["same_person"] is True and other["same_person"] is False
-    assert same["threshold"] == 0.3 and -1 <= other["score"] <= 1
+    assert same["threshold"] == REFERENCE_LFW_FAR_1E3 and -1 <= other["score"] <= 1
     assert len(same["faces"]) == 2 and len(same["faces"][0]["landmarks"]) == 5
 
 
