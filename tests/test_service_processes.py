@@ -1,0 +1,183 @@
+"""The service as people run it: `sphereface serve` processes, a real redis-server, real photos.
+
+The gallery survives a restart of the service (with its own local Redis, append-only file with
+fsync always) and a crash (SIGKILL) and restart of Redis; two service processes on one Redis see
+each other's enrollments and deletions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.redis_server import LocalRedis
+from tests.conftest import REPO_ROOT, short_temp_dir
+
+pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
+
+KEY = "process-test-admin-key"
+HEADERS = {"X-API-Key": KEY}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """One `sphereface serve` process."""
+
+    def __init__(self, model: Path, data_dir: Path, redis_url: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPHEREFACE_REDIS_URL")}
+        env.update(SPHEREFACE_API_KEY=KEY, SPHEREFACE_INTRA_OP_THREADS="1")
+        if redis_url:
+            env["REDIS_URL"] = redis_url
+        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)]
+        command += ["--model", str(model), "--data-dir", str(data_dir)]
+        self.log = data_dir.parent / f"service-{self.port}.log"
+        self.process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT
+        )
+        self.client = httpx.Client(base_url=self.url, headers=HEADERS, timeout=60)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"serve exited {self.process.returncode}: {self.log.read_text()[-3000:]}"
+                )
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"serve not ready in {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture
+def workdir():
+    folder = short_temp_dir()
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def photo(path: Path, field: str):
+    return (field, (path.name, path.read_bytes(), "image/jpeg"))
+
+
+def enroll(service: Service, name: str, path: Path) -> str:
+    assert service.client.post("/v1/subjects", json={"id": name}).status_code == 201
+    r = service.client.post(f"/v1/subjects/{name}/faces", files=[photo(path, "photos")])
+    assert r.status_code == 200 and r.json()["enrolled"] == 1, r.text
+    return r.json()["items"][0]["face"]["id"]
+
+
+def best(service: Service, path: Path) -> str | None:
+    r = service.client.post("/v1/identify", files=[photo(path, "photo")], params={"faces": "largest"})
+    assert r.status_code == 200, r.text
+    return r.json()["faces"][0]["subject_id"]
+
+
+def test_gallery_survives_restarts_of_the_service_and_its_local_redis(
+    calibrated_reference_model, photos_dir, workdir
+):
+    people = photos_dir / "people"
+    data = workdir / "data"
+    service = Service(calibrated_reference_model, data)
+    try:
+        face_id = enroll(service, "obama", people / "obama" / "1.jpg")
+        enroll(service, "biden", people / "biden" / "1.jpg")
+        assert best(service, people / "obama" / "2.jpg") == "obama"
+        redis_pid = int((data / "redis" / "redis.pid").read_text())
+    finally:
+        service.stop()
+    with pytest.raises(ProcessLookupError):  # serve stopped its redis-server on the way out
+        os.kill(redis_pid, 0)
+
+    service = Service(calibrated_reference_model, data)
+    try:
+        faces = service.client.get("/v1/subjects/obama/faces").json()
+        assert [f["id"] for f in faces] == [face_id]
+        assert service.client.get("/v1/subjects").json()["total"] == 2
+        assert best(service, people / "obama" / "2.jpg") == "obama"
+        assert best(service, people / "biden" / "2.jpg") == "biden"
+        # a crash of the local redis-server (SIGKILL) loses nothing written (fsync always)
+        enroll(service, "lennon", people / "lennon" / "1.jpg")
+        os.kill(int((data / "redis" / "redis.pid").read_text()), signal.SIGKILL)
+    finally:
+        service.stop()
+    service = Service(calibrated_reference_model, data)
+    try:
+        assert service.client.get("/v1/subjects").json()["total"] == 3
+        assert best(service, people / "lennon" / "2.jpg") == "lennon"
+    finally:
+        service.stop()
+
+
+def test_running_service_rides_out_a_redis_crash_and_restart(
+    calibrated_reference_model, photos_dir, redis_binary, workdir
+):
+    people = photos_dir / "people"
+    redis = LocalRedis(workdir / "redis", binary=redis_binary).start()
+    service = Service(calibrated_reference_model, workdir / "data", redis.url)
+    try:
+        enroll(service, "clapton", people / "clapton" / "1.jpg")
+        redis.kill()
+        down = service.client.get("/readyz")
+        assert down.status_code == 503 and down.json()["status"] == "redis_unavailable"
+        r = service.client.get("/v1/subjects")
+        assert r.status_code == 503 and r.json()["code"] == "redis_unavailable"
+        redis.start()
+        assert service.client.get("/readyz").status_code == 200
+        assert service.client.get("/v1/subjects/clapton").json()["face_count"] == 1
+        assert best(service, people / "clapton" / "2.jpg") == "clapton"
+    finally:
+        service.stop()
+        redis.stop()
+
+
+def test_two_service_processes_see_each_others_enrollments(
+    calibrated_reference_model, photos_dir, redis_binary, workdir
+):
+    people = photos_dir / "people"
+    redis = LocalRedis(workdir / "redis", binary=redis_binary).start()
+    a = Service(calibrated_reference_model, workdir / "a", redis.url)
+    b = Service(calibrated_reference_model, workdir / "b", redis.url)
+    try:
+        assert best(b, people / "kit_harington" / "2.jpg") is None  # empty gallery
+        face_id = enroll(a, "kit_harington", people / "kit_harington" / "1.jpg")
+        assert best(b, people / "kit_harington" / "2.jpg") == "kit_harington"
+        enroll(b, "rose_leslie", people / "rose_leslie" / "1.jpg")
+        assert best(a, people / "rose_leslie" / "2.jpg") == "rose_leslie"
+        assert b.client.delete(f"/v1/faces/{face_id}").status_code == 200
+        assert best(a, people / "kit_harington" / "2.jpg") != "kit_harington"
+        assert a.client.get("/readyz").json()["gallery_faces"] == 1
+    finally:
+        a.stop()
+        b.stop()
+        redis.stop()
