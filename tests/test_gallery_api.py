@@ -326,3 +326,24 @@ def test_readiness_and_metrics(empty, photos_dir):
             if s.startswith(f'sphereface_stage_duration_seconds_count{{stage="{stage}"}}')
         )
         assert float(line.split()[-1]) >= 1, line
+
+
+def test_identification_through_the_redis_query_engine(calibrated_reference_model, redis_stack, photos_dir):
+    """SPHEREFACE_SEARCH=redis: the same answers from Redis Stack's FLAT KNN index."""
+    redis_stack.client().flushall()
+    settings = Settings(
+        model_dir=calibrated_reference_model,
+        redis_url=redis_stack.url,
+        redis_prefix="qe:",
+        search="redis",
+        auth="off",
+        max_image_pixels=5_000_000,
+    )
+    with TestClient(create_app(settings)) as c:
+        folks = enroll_first_photos(c, photos_dir)
+        assert c.get("/readyz").json()["gallery_faces"] == 7
+        for name, photos in folks.items():
+            (face,) = identify(c, photos[1], faces="largest")["faces"]
+            assert face["status"] == "known" and face["subject_id"] == name, (name, face)
+        (face,) = identify(c, photos_dir / "scenes" / "single_carell.jpg")["faces"]
+        assert face["status"] == "unknown"

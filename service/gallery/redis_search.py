@@ -79,7 +79,7 @@ class RedisKnnSearch:
             reply = self.redis.execute_command(
                 "FT.SEARCH", self.index_name, f"*=>[KNN {neighbours} @embedding $vec AS dist]",
                 "PARAMS", "2", "vec", blob, "SORTBY", "dist", "RETURN", "2", "subject", "dist",
-                "LIMIT", "0", str(neighbours), "DIALECT", "2",
+                "LIMIT", "0", str(neighbours), "TIMEOUT", "0", "DIALECT", "2",
             )  # fmt: skip
             rows = _search_rows(reply)
             hits: list[SubjectHit] = []

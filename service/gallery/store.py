@@ -101,6 +101,13 @@ redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
 return 1
 """
 
+_UPDATE_SUBJECT = """
+-- KEYS: subject; ARGV: field, value, ...
+if redis.call('HEXISTS', KEYS[1], 'created_at') == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 _DELETE_SUBJECT = """
 -- KEYS: subject, subject faces, subjects; ARGV: subject_id
 -- Deletes the subject record once its faces are gone (the caller removes them first).
@@ -210,6 +217,7 @@ class GalleryStore:
         self.prefix = prefix
         self.max_faces_per_subject = max_faces_per_subject
         self._create_subject = client.register_script(_CREATE_SUBJECT)
+        self._update_subject = client.register_script(_UPDATE_SUBJECT)
         self._add_face = client.register_script(_ADD_FACE)
         self._remove_faces = client.register_script(_REMOVE_FACES)
         self._delete_subject = client.register_script(_DELETE_SUBJECT)
@@ -332,15 +340,11 @@ class GalleryStore:
             fields["name"] = name
         if metadata is not None:
             fields["metadata"] = json.dumps(metadata)
+        flat = [item for pair in fields.items() for item in pair]
         with _redis_errors():
-            # WATCH makes the update fail rather than resurrect a subject deleted meanwhile.
-            with self.redis.pipeline(transaction=True) as pipe:
-                pipe.watch(key)
-                if not pipe.hexists(key, "created_at"):
-                    raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
-                pipe.multi()
-                pipe.hset(key, mapping=fields)
-                pipe.execute()
+            # One script: the update cannot resurrect a subject deleted meanwhile.
+            if not self._update_subject(keys=[key], args=flat):
+                raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
         return self.get_subject(subject_id)
 
     def delete_subject(self, subject_id: str) -> int:
