@@ -11,7 +11,7 @@ CELEBA := $(CACHE)/data/celeba_faces
 LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus \
 	modified_softmax_finetune asoftmax_m4_finetune sphereface_plus_finetune
 
-.PHONY: install test lint serve models bench bench-train prepare-celeba loss-table default-model clean
+.PHONY: install test lint serve models bench bench-service bench-train prepare-celeba loss-table default-model clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,11 @@ bench-train: prepare-celeba
 
 bench: install models
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)
+
+# The service: /v1/verify against facenet-pytorch + PyTorch eager, search at 10k/100k/1M
+# vectors (numpy and Redis Query Engine), bulk enrollment (about 15 minutes; docs/service.md).
+bench-service: install models
+	$(BIN)/python bench/service.py --json docs/results/bench_service.json
 
 clean:
 	rm -rf $(VENV) $(CACHE) *.egg-info
