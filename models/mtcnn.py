@@ -155,6 +155,10 @@ class MTCNNDetector:
         thresholds: face-probability thresholds of P-Net, R-Net and O-Net, in [0, 1].
         scale_factor: ratio between pyramid levels.
         intra_op_threads: ONNX Runtime threads per operator (0: one per core).
+        max_image_side: search a photo whose longer side is over this many pixels as if it were
+            scaled down to it: the pyramid starts smaller, so the smallest face looked for grows to
+            ``min_face_size * longer side / max_image_side``. R-Net, O-Net and the landmarks still
+            work on the full-resolution photo. None: no limit.
     """
 
     def __init__(
@@ -167,6 +171,7 @@ class MTCNNDetector:
         scale_factor: float = 0.709,
         intra_op_threads: int = 0,
         allow_fallback: bool = False,
+        max_image_side: int | None = None,
     ) -> None:
         if min_face_size < 12:
             raise ValueError("min_face_size must be at least 12 pixels (P-Net's window)")
@@ -179,7 +184,10 @@ class MTCNNDetector:
                 f"MTCNN weights {missing} not found in {weights}; run "
                 "`sphereface import mtcnn facenet_pytorch-2.6.0-py3-none-any.whl`"
             )
+        if max_image_side is not None and max_image_side < 48:
+            raise ValueError("max_image_side must be at least 48 pixels")
         self.min_face_size = float(min_face_size)
+        self.max_image_side = max_image_side
         self.thresholds = tuple(float(t) for t in thresholds)
         self.scale_factor = float(scale_factor)
         self.nms_thresholds = (0.5, 0.7, 0.7, 0.7)  # per scale, across scales, R-Net, O-Net
@@ -228,6 +236,8 @@ class MTCNNDetector:
 
     def _scales(self, height: int, width: int) -> list[float]:
         scale = 12.0 / self.min_face_size
+        if self.max_image_side is not None and max(height, width) > self.max_image_side:
+            scale *= self.max_image_side / max(height, width)
         side = min(height, width) * scale
         scales = []
         while side >= 12:

@@ -38,6 +38,8 @@ class FacePipeline:
         min_face_size: smallest face to detect, pixels.
         thresholds: MTCNN stage thresholds.
         intra_op_threads: ONNX Runtime threads per operator (0: one per core).
+        max_image_side: detect in large photos as if their longer side were this long (see
+            :class:`models.mtcnn.MTCNNDetector`); None: full resolution.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class FacePipeline:
         thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS,
         intra_op_threads: int = 0,
         batch_size: int = 32,
+        max_image_side: int | None = None,
     ) -> None:
         self.embedder = Embedder(
             model_dir, providers, batch_size=batch_size, intra_op_threads=intra_op_threads
@@ -58,6 +61,7 @@ class FacePipeline:
             min_face_size=min_face_size,
             thresholds=thresholds,
             intra_op_threads=intra_op_threads,
+            max_image_side=max_image_side,
         )
         self.template = get_template(self.embedder.manifest.template)
 

@@ -95,6 +95,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
             settings.providers,
             min_face_size=settings.min_face_size,
             intra_op_threads=settings.intra_op_threads,
+            max_image_side=settings.detect_max_side,
         )
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)

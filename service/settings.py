@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     providers: str = Field("cpu", description="ONNX Runtime providers, e.g. 'cuda,cpu'")
     intra_op_threads: int = 0
     min_face_size: float = Field(20.0, ge=12)
+    detect_max_side: int | None = Field(
+        1024,
+        ge=48,
+        description="detect in photos with a longer side over this as if scaled down to it (faster; "
+        "faces under min_face_size * side / detect_max_side are not looked for); null: full size",
+    )
     max_upload_bytes: int = Field(MAX_IMAGE_BYTES, gt=0, description="per photo")
     max_image_pixels: int = Field(MAX_IMAGE_PIXELS, gt=0)
     max_photos_per_request: int = Field(16, gt=0)

@@ -169,3 +169,24 @@ def test_conversion_from_the_wheel_reproduces_the_shipped_onnx_files(tmp_path):
         shipped = ort.InferenceSession(str(DEFAULT_MTCNN_DIR / path.name), providers=["CPUExecutionProvider"])
         for a, b in zip(new.run(None, {"image": x}), shipped.run(None, {"image": x}), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.shared_data
+def test_a_max_image_side_finds_the_same_faces_in_large_photos_with_a_smaller_pyramid(photos_dir):
+    capped = MTCNNDetector(max_image_side=1024)
+    full = MTCNNDetector()
+    large = [p for p in _photos(photos_dir) if max(Image.open(p).size) > 1024]
+    assert len(large) >= 5
+    for path in large:
+        image = read_image(path, max_pixels=50_000_000)
+        h, w = image.shape[:2]
+        assert len(capped._scales(h, w)) <= len(full._scales(h, w))
+        assert capped._scales(h, w)[0] == pytest.approx(12 / 20 * 1024 / max(h, w))
+        a, b = full.detect(image), capped.detect(image)
+        assert len(a) == len(b) == _expected(path), path.name
+        for face in a:  # each face found at full size has a partner with the same landmarks
+            partner = min(b, key=lambda f: np.abs(f.landmarks - face.landmarks).max())
+            width = face.box[2] - face.box[0]
+            assert np.abs(partner.landmarks - face.landmarks).max() < 0.05 * width, path.name
+    with pytest.raises(ValueError, match="max_image_side"):
+        MTCNNDetector(max_image_side=20)
