@@ -379,24 +379,20 @@ def _libssl_dir(root: Path) -> Path | None:
 def _debian_mirror() -> str:
     """The Debian mirror this machine's apt uses (deb822 ``.sources`` or ``sources.list``)."""
     apt = Path("/etc/apt")
-    sources = sorted((apt / "sources.list.d").glob("*.sources")) if (apt / "sources.list.d").is_dir() else []
-    for path in sources:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for uri in re.findall(r"^URIs:\s*(\S+)", text, re.M):
-            if "/debian" in uri and "security" not in uri:
-                return uri
-    lists = [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*.list"))]
-    for path in lists:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for uri in re.findall(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)", text, re.M):
-            if "/debian" in uri and "security" not in uri:
-                return uri
+    parts = apt / "sources.list.d"
+    searches = (
+        (sorted(parts.glob("*.sources")) if parts.is_dir() else [], r"^URIs:\s*(\S+)"),
+        ([apt / "sources.list", *sorted(parts.glob("*.list"))], r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)"),
+    )
+    for paths, pattern in searches:
+        for path in paths:
+            try:
+                text = path.read_text()
+            except OSError:
+                continue
+            for uri in re.findall(pattern, text, re.M):
+                if "/debian" in uri and "security" not in uri:
+                    return uri
     return DEFAULT_DEBIAN_MIRROR
 
 

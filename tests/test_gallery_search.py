@@ -10,25 +10,15 @@ import redis
 from service.errors import RedisSetupError
 from service.gallery.index import LiveIndex, SubjectHit, VectorIndex
 from service.gallery.redis_search import RedisKnnSearch
-from service.gallery.store import FaceRecord, GalleryStore, NewFace, embedding_sha256
+from service.gallery.store import FaceRecord, GalleryStore
+from tests.gallery_vectors import emb_face, near, random_unit
 
 DIM = 32
 OTHER_DIM = 12
 
 
 def unit(rng: np.random.Generator, dim: int = DIM, n: int | None = None) -> np.ndarray:
-    v = rng.standard_normal((n or 1, dim)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    return v if n is not None else v[0]
-
-
-def near(rng: np.random.Generator, vector: np.ndarray, noise: float) -> np.ndarray:
-    v = (vector + noise * rng.standard_normal(vector.shape)).astype(np.float32)
-    return v / np.linalg.norm(v)
-
-
-def emb_face(vector: np.ndarray) -> NewFace:
-    return NewFace(embedding=vector, photo_sha256=embedding_sha256(vector), source="embedding")
+    return random_unit(rng, dim, n)
 
 
 def enroll(store: GalleryStore, model_id: str, items: list[tuple[str, np.ndarray]]) -> list[FaceRecord]:

@@ -25,6 +25,7 @@ from service.gallery.store import (
     check_embedding,
     embedding_sha256,
 )
+from tests.gallery_vectors import emb_face, near, random_unit
 
 DIM = 16
 
@@ -33,20 +34,7 @@ DIM = 16
 
 
 def unit(rng: np.random.Generator, dim: int = DIM, n: int | None = None) -> np.ndarray:
-    """Random unit float32 vector(s)."""
-    v = rng.standard_normal((n or 1, dim)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    return v if n is not None else v[0]
-
-
-def near(rng: np.random.Generator, vector: np.ndarray, noise: float) -> np.ndarray:
-    v = (vector + noise * rng.standard_normal(vector.shape)).astype(np.float32)
-    return v / np.linalg.norm(v)
-
-
-def emb_face(vector: np.ndarray) -> NewFace:
-    """A face enrolled as an embedding (its duplicate key is the hash of its bytes)."""
-    return NewFace(embedding=vector, photo_sha256=embedding_sha256(vector), source="embedding")
+    return random_unit(rng, dim, n)
 
 
 def add_one(store: GalleryStore, subject_id: str, model_id: str, face: NewFace | np.ndarray) -> FaceRecord:
