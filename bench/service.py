@@ -38,8 +38,6 @@ import json
 import os
 import platform
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +74,6 @@ GOAL_VERIFY_SPEEDUP = 2.0
 GOAL_SEARCH_SIZE = 1_000_000
 GOAL_SEARCH_MS = 50.0
 REDIS_STACK_CACHE = REPO / ".cache" / "redis-stack"
-PLAIN_REDIS = "/usr/bin/redis-server"
 
 log = fp.log
 
@@ -137,12 +134,6 @@ class CpuWatch:
         return {"wall_s": wall, "other_processes_cpu_s": others, "other_processes_cores": others / wall}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
     """A Markdown table; the first column left-aligned, the others right-aligned."""
     lines = ["| " + " | ".join(headers) + " |"]
@@ -160,49 +151,6 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
         return format(float(value), spec)
     except (TypeError, ValueError):
         return "n/a"
-
-
-class PlainRedis:
-    """A throwaway ``redis-server`` child (no persistence) on a free TCP port."""
-
-    def __init__(self, binary: str = PLAIN_REDIS) -> None:
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="sf-bench-redis-"))
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            cwd=self.dir,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}"
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{binary} did not start on port {self.port}") from None
-                time.sleep(0.05)
-
-    def client(self):
-        import redis
-
-        return redis.Redis.from_url(self.url)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def redis_server_info(client) -> dict[str, Any]:
@@ -528,8 +476,10 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
     n = len(pairs)
     log(f"(1) verify: {n} pairs of photos/people")
 
-    redis_server = PlainRedis()
+    from service.redis_server import LocalRedis
+
     tmp = Path(tempfile.mkdtemp(prefix="sf-bench-verify-"))
+    redis_server = LocalRedis(tmp / "redis", appendfsync="no").start()  # the gallery is not used
     stages: dict[str, dict[str, float]] = {}
     try:
         settings = Settings(

@@ -30,29 +30,24 @@ def local_redis_dir(settings: Settings) -> Path:
 
 
 @contextmanager
-def gallery_redis(settings: Settings, *, start_local: bool = True) -> Iterator[tuple[str, bool]]:
+def gallery_redis(settings: Settings) -> Iterator[tuple[str, bool]]:
     """The Redis URL of the gallery: ``REDIS_URL``, a local server already running for the data
-    folder, or (``start_local``) a local server started for the duration. Yields (url, started)."""
+    folder, or a local server started for the duration. Yields (url, started)."""
     if settings.redis_url:
         yield settings.redis_url, False
         return
-    from service.redis_server import SOCKET_NAME, LocalRedis
+    from service.redis_server import LocalRedis
 
     folder = local_redis_dir(settings)
-    socket = folder / SOCKET_NAME
-    if socket.exists():
-        url = f"unix://{socket}"
+    server = LocalRedis(folder)
+    if server.socket_path.exists():
         try:
-            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-            yield url, False  # a `sphereface serve` of this data folder is running
+            redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()
+            yield server.url, False  # a `sphereface serve` of this data folder is running
             return
         except redis.RedisError:
             pass
-    if not start_local:
-        raise FileNotFoundError(
-            f"no Redis: set REDIS_URL or start `sphereface serve --data-dir {settings.data_dir}`"
-        )
-    server = LocalRedis(folder).start()
+    server.start()
     log.info("local redis-server for %s on %s (append-only file, fsync always)", folder, server.url)
     try:
         yield server.url, True

@@ -26,14 +26,6 @@ class UnsupportedMediaTypeError(ServiceError):
     http_status = 415
 
 
-def get_pipeline(request: Request) -> FacePipeline:
-    return request.app.state.pipeline
-
-
-def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
-
-
 def face_schema(face: DetectedFace) -> Face:
     return Face(box=face.box.tolist(), landmarks=face.landmarks.tolist(), detection_score=face.score)
 
