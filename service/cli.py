@@ -82,6 +82,67 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     marks.add_argument("--providers", default="cpu")
     marks.set_defaults(func=_run_evaluate_landmarks)
 
+    mega = which.add_parser(
+        "megaface",
+        help="MegaFace Challenge 1 rule: rank-1/10 identification vs distractor count, TAR at FAR 1e-3..1e-6",
+        description="Embeds probes and distractors once (cached under --cache, resumable), then for every "
+        "probe identity and image: that image in a gallery with N distractors, searched with the others "
+        "(N = 10, 100, ..., 1M, as many as there are). See docs/megaface.md.",
+    )
+    mega.add_argument("--model", required=True, help="model folder (model.onnx + manifest.json)")
+    mega.add_argument(
+        "--protocol",
+        choices=("custom", "megaface", "local"),
+        default="custom",
+        help="local: the versioned protocol built from --data (../shared/data); megaface: FaceScrub probes "
+        "and MegaFace distractors (the papers' numbers are comparable); custom: any other sets",
+    )
+    mega.add_argument("--data", default=None, help="the ../shared/data folder (--protocol local)")
+    mega.add_argument(
+        "--probes", default=None, help="folder with one sub-folder per identity, or a list file"
+    )
+    mega.add_argument(
+        "--distractors", default=None, help="folder (any tree) of distractor images, or a list file"
+    )
+    mega.add_argument(
+        "--augment-to",
+        type=int,
+        default=None,
+        metavar="N",
+        help="add embedded augmented copies of the distractor faces until there are N distractors",
+    )
+    mega.add_argument(
+        "--extra-features",
+        default=None,
+        metavar="FILE.npy",
+        help="more distractors as L2-normalised float32 (n, D) features of this model, made elsewhere",
+    )
+    mega.add_argument(
+        "--sizes",
+        default=None,
+        help="distractor counts, comma-separated (default 10,100,...,1M up to the set)",
+    )
+    mega.add_argument(
+        "--remove-probes", default=None, metavar="LIST", help="probe images to remove (noise list)"
+    )
+    mega.add_argument(
+        "--remove-distractors", default=None, metavar="LIST", help="distractor images to remove (noise list)"
+    )
+    mega.add_argument(
+        "--max-per-identity", type=int, default=None, help="use at most this many images per probe identity"
+    )
+    mega.add_argument("--json", dest="json_out", default=None, help="write every number here")
+    mega.add_argument("--plots", default=None, help="write the PNG plots into this folder")
+    mega.add_argument("--cache", default=None, help="landmark and embedding cache (default .cache/megaface)")
+    mega.add_argument("--providers", default="cpu", help="ONNX Runtime providers for faces, e.g. cuda,cpu")
+    mega.add_argument("--device", default="cpu", help="search device: cpu (numpy) or cuda (torch)")
+    mega.add_argument("--chunk-mb", type=float, default=256.0, help="score-matrix memory per search chunk")
+    mega.add_argument("--workers", type=int, default=2, help="threads reading, detecting and aligning photos")
+    mega.add_argument("--batch-size", type=int, default=64)
+    mega.add_argument("--seed", type=int, default=0, help="distractor order and augmentation seed")
+    mega.add_argument("--no-progress", action="store_true", help="no progress bars")
+    mega.set_defaults(func=_run_evaluate_megaface)
+
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
     from training.lfw import run_lfw_evaluation, write_thresholds
@@ -119,6 +180,77 @@ def _run_evaluate_landmarks(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        sizes = [int(float(part)) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise FacePathError(f"--sizes must be comma-separated counts, got {text!r}") from None
+    if not sizes or min(sizes) < 0:
+        raise FacePathError(f"--sizes must be counts >= 0, got {text!r}")
+    return sizes
+
+
+def _run_evaluate_megaface(args: argparse.Namespace) -> int:
+    from training.megaface import run_megaface, summary_lines
+
+    report = run_megaface(
+        args.model,
+        protocol=args.protocol,
+        data_dir=args.data,
+        probes=args.probes,
+        distractors=args.distractors,
+        augment_to=args.augment_to,
+        extra_features=args.extra_features,
+        sizes=_sizes(args.sizes),
+        remove_probes=args.remove_probes,
+        remove_distractors=args.remove_distractors,
+        max_per_identity=args.max_per_identity,
+        json_out=args.json_out,
+        plots_dir=args.plots,
+        cache_dir=args.cache,
+        providers=args.providers,
+        device=args.device,
+        chunk_mb=args.chunk_mb,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print("\n".join(summary_lines(report)))
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="MegaFace-protocol JSON reports side by side as a Markdown table, next to the papers' numbers",
+    )
+    p.add_argument("reports", nargs="+", help="JSON files written by 'evaluate megaface --json'")
+    p.add_argument("--names", default=None, help="comma-separated row names (default: the model ids)")
+    p.add_argument("--out", default=None, help="write the Markdown here (default: print it)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from training.megaface_report import load_reports, markdown_report
+
+    names = args.names.split(",") if args.names else None
+    if names is not None and len(names) != len(args.reports):
+        raise FacePathError(f"--names has {len(names)} names for {len(args.reports)} reports")
+    text = markdown_report(load_reports(args.reports), names)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
     return 0
 
 
@@ -298,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_export(sub)
     _add_evaluate(sub)
+    _add_report(sub)
     _add_serve(sub)
     _add_keys(sub)
     return parser
