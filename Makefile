@@ -11,7 +11,8 @@ CELEBA := $(CACHE)/data/celeba_faces
 LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus \
 	modified_softmax_finetune asoftmax_m4_finetune sphereface_plus_finetune
 
-.PHONY: install test lint serve models bench bench-service bench-train prepare-celeba loss-table default-model clean
+.PHONY: install test lint serve models bench bench-service bench-train bench-megaface-1m megaface-local prepare-celeba \
+	loss-table default-model clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +84,21 @@ default-model: prepare-celeba
 # Training throughput, our loaders against a PIL-decoding DataLoader (on a GPU when there is one).
 bench-train: prepare-celeba
 	$(BIN)/python bench/train_loader.py --data $(CELEBA)
+
+# The MegaFace protocol, local-v1, for the reference and the default model: JSON, plots and the
+# side-by-side table in docs/results/megaface/ (about 5 minutes per model on 2 cores; cached).
+MEGAFACE := docs/results/megaface
+megaface-local: models
+	$(BIN)/sphereface evaluate megaface --model $(REF_MODEL) --protocol local --data $(SHARED)/data \
+		--json $(MEGAFACE)/local_reference.json --plots $(MEGAFACE)/reference
+	$(BIN)/sphereface evaluate megaface --model models/default --protocol local --data $(SHARED)/data \
+		--json $(MEGAFACE)/local_default.json --plots $(MEGAFACE)/default
+	$(BIN)/sphereface report $(MEGAFACE)/local_reference.json $(MEGAFACE)/local_default.json \
+		--names "reference MobileFaceNet (CASIA-WebFace),default model (celeba_faces)" --out $(MEGAFACE)/local_v1.md
+
+# 1,000,000 distractors on this machine: time and peak memory (docs/megaface.md).
+bench-megaface-1m: install
+	$(BIN)/python bench/megaface_1m.py --model models/default --json docs/results/megaface_1m.json
 
 bench: install models
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)

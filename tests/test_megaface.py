@@ -291,6 +291,12 @@ def test_tiny_real_set_answers_known_by_construction(tiny_sets, reference_model_
     assert raw["verification"]["50"]["n_impostor"] == 10 * 50
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["results"]["raw"]["identification"]["50"]["rank1"] == 1.0
+    from service.cli import main
+
+    out_md = tmp_path / "t.md"
+    assert main(["report", str(tmp_path / "out.json"), "--names", "tiny", "--out", str(out_md)]) == 0
+    table = out_md.read_text()
+    assert "| tiny | raw |" in table and "| 100.00 |" in table
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "cmc.png",
         "identification_vs_distractors.png",
