@@ -386,6 +386,13 @@ class RocCurve:
         }
 
 
+def false_accepts_allowed(far: float, n_impostor: int) -> int | None:
+    """``k = floor(far * n_impostor)``: how many impostor pairs may score above the threshold at
+    ``far``; None when that is below 1 or covers every pair (the FAR cannot be measured)."""
+    allowed = math.floor(far * n_impostor + 1e-9)
+    return allowed if 1 <= allowed < n_impostor else None
+
+
 def tar_at_far(scores: np.ndarray, is_same: np.ndarray, far: float) -> tuple[float, float] | None:
     """True-accept rate at a false-accept rate of at most ``far``, and its threshold.
 
@@ -396,8 +403,8 @@ def tar_at_far(scores: np.ndarray, is_same: np.ndarray, far: float) -> tuple[flo
     scores = np.asarray(scores, dtype=np.float64)
     is_same = np.asarray(is_same, dtype=bool)
     different = np.sort(scores[~is_same])[::-1]
-    allowed = math.floor(far * len(different) + 1e-9)
-    if allowed < 1 or allowed >= len(different):
+    allowed = false_accepts_allowed(far, len(different))
+    if allowed is None:
         return None
     threshold = float(different[allowed])
     return float(np.mean(scores[is_same] > threshold)), threshold
@@ -984,8 +991,8 @@ def _fold_pair_scores(unit: np.ndarray, identities: np.ndarray) -> tuple[np.ndar
 
 def _threshold_for_far(impostor_scores: np.ndarray, far: float) -> float | None:
     """Smallest threshold ``t`` with at most ``floor(far * n)`` impostor scores strictly above it."""
-    allowed = math.floor(far * len(impostor_scores) + 1e-9)
-    if allowed < 1 or allowed >= len(impostor_scores):
+    allowed = false_accepts_allowed(far, len(impostor_scores))
+    if allowed is None:
         return None
     position = len(impostor_scores) - 1 - allowed
     return float(np.partition(impostor_scores, position)[position])

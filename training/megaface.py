@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from models.errors import FacePathError
-from training.lfw import _ordered_map, detect_central_landmarks, far_label
+from training.lfw import _ordered_map, detect_central_landmarks, false_accepts_allowed, far_label
 
 log = logging.getLogger(__name__)
 
@@ -781,8 +781,8 @@ def search_ranks(features: np.ndarray, groups: Sequence[np.ndarray], top: np.nda
 def threshold_at_far(impostor_desc: np.ndarray, n_impostor: int, far: float) -> float | None:
     """The ``(k+1)``-th highest impostor score, ``k = floor(far * n_impostor)``, from the highest
     impostor scores in descending order; None when ``far * n_impostor < 1``."""
-    allowed = math.floor(far * n_impostor + 1e-9)
-    if allowed < 1 or allowed >= n_impostor or allowed >= len(impostor_desc):
+    allowed = false_accepts_allowed(far, n_impostor)
+    if allowed is None or allowed >= len(impostor_desc):
         return None
     return float(impostor_desc[allowed])
 
