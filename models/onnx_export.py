@@ -100,7 +100,7 @@ def export_onnx(
     module: torch.nn.Module,
     path: str | Path,
     input_shape: tuple[int, int, int] = (3, 112, 96),
-    opset: int = 17,
+    opset: int = 18,
     *,
     exporter: Literal["dynamo", "torchscript"] = "dynamo",
 ) -> Path:
@@ -235,7 +235,7 @@ def export_checked(
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / (MODEL_NAME + ".partial")
     try:
-        export_onnx(module, partial, input_shape=input_shape, opset=17)
+        export_onnx(module, partial, input_shape=input_shape, opset=18)
         diff = check_onnx_parity(module, partial, batch_sizes=(1, 8), atol=parity_atol)
     except BaseException:
         partial.unlink(missing_ok=True)
