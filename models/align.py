@@ -48,11 +48,28 @@ ARCFACE_TEMPLATE_112x112 = AlignmentTemplate(
     points=tuple((x + 8.0, y) for x, y in SPHEREFACE_TEMPLATE_112x96.points),
 )
 
-TEMPLATES = {t.name: t for t in (SPHEREFACE_TEMPLATE_112x96, ARCFACE_TEMPLATE_112x112)}
+#: MTCNN's 5 points onto the 150x150 chips of dlib's face-recognition ResNet (dlib cuts them with its
+#: own 5-point model, padding 0.25). Fitted on 6,002 faces of celeba_faces by
+#: ``python -m training.dlib_template`` (docs/results/dlib_template.json; docs/models.md explains the
+#: fit and why the two eye points sit close together), not set by hand.
+DLIB_TEMPLATE_150x150 = AlignmentTemplate(
+    name="dlib_150x150",
+    height=150,
+    width=150,
+    points=(
+        (69.8515, 27.3690),
+        (80.1492, 32.1494),
+        (71.4609, 93.2856),
+        (53.2541, 112.6500),
+        (96.5306, 107.0005),
+    ),
+)
+
+TEMPLATES = {t.name: t for t in (SPHEREFACE_TEMPLATE_112x96, ARCFACE_TEMPLATE_112x112, DLIB_TEMPLATE_150x150)}
 
 
 def get_template(name: str) -> AlignmentTemplate:
-    """Look a template up by name (``sphereface_112x96`` or ``arcface_112x112``)."""
+    """Look a template up by name (``sphereface_112x96``, ``arcface_112x112`` or ``dlib_150x150``)."""
     try:
         return TEMPLATES[name]
     except KeyError:
