@@ -392,8 +392,19 @@ def test_file_landmarks_end_to_end_on_a_subset_is_accurate_and_writes_json_and_p
     assert result.accuracy > 0.9
     assert (tmp_path / "lfw.png").read_bytes()[:8] == PNG_MAGIC
     written = json.loads((tmp_path / "lfw.json").read_text())
-    for key in ("accuracy", "std", "fold_accuracies", "threshold", "fold_thresholds", "no_face_images",
-                "model_id", "provider", "landmarks", "n_pairs", "timing_s"):
+    for key in (
+        "accuracy",
+        "std",
+        "fold_accuracies",
+        "threshold",
+        "fold_thresholds",
+        "no_face_images",
+        "model_id",
+        "provider",
+        "landmarks",
+        "n_pairs",
+        "timing_s",
+    ):
         assert key in written, key
     assert written["accuracy"] == pytest.approx(result.accuracy)
     assert len(written["fold_accuracies"]) == 10
@@ -490,29 +501,36 @@ def test_detector_landmark_report_over_the_first_lfw_images(lfw_dir):
     assert report["faces_found_share"] >= 0.9
     assert report["landmark_error_px"]["mean"] < 4.0
     assert set(report["landmark_error_px"]["per_point"]) == {
-        "left_eye", "right_eye", "nose", "left_mouth", "right_mouth"
+        "left_eye",
+        "right_eye",
+        "nose",
+        "left_mouth",
+        "right_mouth",
     }
 
 
-@pytest.mark.shared_data
-@pytest.mark.slow
-def test_write_thresholds_stores_the_calibrated_cosine_threshold_in_the_manifest(
-    reference_model_dir, lfw_dir, tmp_path
-):
-    import shutil
+def test_cosine_protocol_scores_pairs_as_the_service_does_without_the_mean():
+    """``subtract_mean=False``: the same folds and threshold rule on the raw cosine; with a large
+    offset shared by every feature the two protocols disagree, and the raw one is what a
+    hand-computed per-fold threshold on the cosine gives."""
+    from training.lfw import best_threshold, lfw_10fold_accuracy, verification_accuracy
 
-    from models.manifest import load_manifest
-    from training.lfw import run_lfw_evaluation, write_thresholds
-
-    model = tmp_path / "model"
-    shutil.copytree(reference_model_dir, model)
-    result = run_lfw_evaluation(
-        model_dir=model, data_dir=lfw_dir, landmarks="file", pairs_per_fold=30, progress=False
+    rng = np.random.default_rng(4)
+    n, dim = 400, 8
+    is_same = np.arange(n) % 2 == 0
+    left = rng.standard_normal((n, dim))
+    right = np.where(
+        is_same[:, None], left + 0.9 * rng.standard_normal((n, dim)), rng.standard_normal((n, dim))
     )
-    manifest = write_thresholds(model, result, far=1e-2)
-    reloaded = load_manifest(model)
-    assert reloaded.thresholds["verification"].far == pytest.approx(1e-2)
-    assert reloaded.thresholds["verification"].value == result.roc.threshold_at_far["1e-02"]
-    assert reloaded.lfw["accuracy"] == result.accuracy == manifest.lfw["accuracy"]
-    with pytest.raises(Exception, match="cannot be measured"):
-        write_thresholds(model, result, far=1e-6)
+    offset = 3.0 * np.ones(dim)
+    folds = np.arange(n) % 10
+    raw = lfw_10fold_accuracy(left + offset, right + offset, is_same, folds, subtract_mean=False)
+    centred = lfw_10fold_accuracy(left + offset, right + offset, is_same, folds)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    cosine = np.sum(unit(left + offset) * unit(right + offset), axis=1)
+    expected = []
+    for k in range(10):
+        threshold, _ = best_threshold(cosine[folds != k], is_same[folds != k])
+        expected.append(verification_accuracy(cosine[folds == k], is_same[folds == k], threshold))
+    assert raw.accuracy == pytest.approx(np.mean(expected))
+    assert centred.accuracy > raw.accuracy + 0.05  # the offset hides the signal from the raw cosine

@@ -196,48 +196,6 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
     np.testing.assert_allclose(np.linalg.norm(fused, axis=1), 1.0, atol=1e-5)
 
 
-# --------------------------------------------------------------------------------------------
-# Threshold calibration on every within-fold LFW pair
-# --------------------------------------------------------------------------------------------
-
-
-def test_calibrated_thresholds_accept_at_most_the_stated_share_of_impostors():
-    from training.lfw import LFWPairs, calibrate_thresholds
-
-    rng = np.random.default_rng(1)
-    names, features = [], []
-    for person in "ABCDEF":
-        centre = rng.standard_normal(16)
-        for i in range(3):
-            names.append(f"{person}/{person}_{i + 1:04d}.jpg")
-            features.append(centre + 0.8 * rng.standard_normal(16))
-    features = np.array(features)
-    # Fold 0 holds people A-C, fold 1 people D-F; pairs (1, 2) and (2, 3) name all 3 images.
-    left = tuple(f"{p}/{p}_{i:04d}.jpg" for p in "ABCDEF" for i in (1, 2))
-    right = tuple(f"{p}/{p}_{i:04d}.jpg" for p in "ABCDEF" for i in (2, 3))
-    folds = np.repeat([0, 1], 6)
-    pairs = LFWPairs(left=left, right=right, is_same=np.ones(12, bool), fold=folds)
-    result = calibrate_thresholds(features, names, pairs, fars=(0.05, 1e-3))
-    # Per fold: 9 images -> 36 pairs, 9 genuine (3 per person) and 27 impostor.
-    assert (result["n_genuine"], result["n_impostor"]) == (18, 54)
-    unit = features / np.linalg.norm(features, axis=1, keepdims=True)
-    people = np.array([n[0] for n in names])
-    impostor = []
-    for fold_people in ("ABC", "DEF"):
-        rows = np.flatnonzero(np.isin(people, list(fold_people)))
-        for a_i, a in enumerate(rows):
-            for b in rows[a_i + 1 :]:
-                if people[a] != people[b]:
-                    impostor.append(unit[a] @ unit[b])
-    impostor = np.sort(impostor)[::-1]
-    entry = result["far_5e-02"]
-    # floor(0.05 * 54) = 2 impostors may score above the threshold: it is the third highest.
-    assert entry["threshold"] == pytest.approx(impostor[2])
-    assert np.sum(impostor > entry["threshold"]) == 2
-    assert 0.0 <= entry["heldout_far"] <= 0.2 and 0.0 <= entry["tar"] <= 1.0
-    assert result["far_1e-03"] is None  # 54 impostor pairs cannot measure 1e-3
-
-
 @pytest.mark.shared_data
 @pytest.mark.slow
 def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):

@@ -3,8 +3,8 @@
 Only the embedding network is exported (up to FC1; the classifier is training-only, SPEC §1.9),
 as ONNX with a dynamic batch axis, checked against PyTorch on ONNX Runtime. With an LFW folder,
 the new model folder is evaluated with ``sphereface evaluate lfw``'s job (through ONNX Runtime,
-the service's path) and its cosine thresholds are calibrated on every within-fold LFW pair at
-the stated false-accept rates (:func:`training.lfw.calibrate_thresholds`).
+the service's path) and its cosine thresholds are calibrated on every pair of LFW's photos at
+the stated false-accept rates, as ``sphereface calibrate`` does (:mod:`training.calibration`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from models.manifest import ModelManifest, save_manifest
+from models.manifest import ModelManifest, load_manifest_data, save_manifest
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ def export_checkpoint(
         checkpoint: ``checkpoint.pt`` of ``sphereface train`` (or its run folder).
         name, version: manifest name and version; default: the run's name and ``step<N>``.
         lfw_dir: LFW folder; when given, LFW accuracy (``lfw.json``, ``lfw_roc.png``) and
-            thresholds at ``verification_far`` / ``identification_far`` (and 1e-5) go into the
-            manifest.
+            thresholds at ``verification_far`` / ``identification_far`` (calibrated on every pair
+            of LFW's 13,233 photos, our MTCNN's landmarks; ``calibration.json``,
+            ``calibration.png``) go into the manifest.
         parity_atol: largest accepted |ONNX - PyTorch| on random inputs (SphereFace nets have
             no BatchNorm, so their raw features are large: the default is 1e-3).
 
@@ -94,16 +95,19 @@ def export_checkpoint(
     save_manifest(out_dir, manifest)
     report: dict[str, Any] = {"onnx_parity_max_abs_diff": diff, "checkpoint_step": int(state["step"])}
     if lfw_dir is not None:
-        from training.lfw import calibrate_thresholds, run_lfw_evaluation, write_calibrated_thresholds
+        from training.calibration import plot_calibration, run_calibration, save_report, write_calibration
+        from training.lfw import run_lfw_evaluation
 
         result = run_lfw_evaluation(
             out_dir, lfw_dir, landmarks=landmarks, json_out=out_dir / "lfw.json",
             plot_out=out_dir / "lfw_roc.png", progress=progress,
         )  # fmt: skip
-        calibration = calibrate_thresholds(result.features, result.names, result.pairs)
-        manifest = write_calibrated_thresholds(
-            out_dir, result, calibration, verification_far, identification_far
-        )
-        report.update({"lfw_accuracy": result.accuracy, "lfw_std": result.std, "calibration": calibration})
-        (out_dir / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")
+        manifest = load_manifest_data(out_dir)
+        manifest.lfw = result.manifest_entry()
+        save_manifest(out_dir, manifest)
+        calibration = run_calibration(out_dir, lfw_dir, progress=progress)
+        save_report(calibration, out_dir / "calibration.json")
+        plot_calibration(calibration, out_dir / "calibration.png")
+        manifest = write_calibration(out_dir, calibration, verification_far, identification_far)
+        report.update(lfw_accuracy=result.accuracy, lfw_std=result.std, calibration=calibration["fars"])
     return manifest, report

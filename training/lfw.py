@@ -302,6 +302,8 @@ def lfw_10fold_accuracy(
     is_same: np.ndarray,
     folds: np.ndarray,
     grid: np.ndarray = THRESHOLD_GRID,
+    *,
+    subtract_mean: bool = True,
 ) -> TenFoldResult:
     """The official SphereFace LFW protocol (``evaluation.m``) on paired features.
 
@@ -313,6 +315,8 @@ def lfw_10fold_accuracy(
 
     For each fold: mean of the left+right features of the other folds subtracted, L2-normalised,
     dot product; threshold = mean of every grid value with the maximal training accuracy.
+    ``subtract_mean=False`` scores pairs as the service does (the cosine of the features, no mean
+    subtracted), with the same folds and threshold rule.
     """
     left = np.asarray(features_left, dtype=np.float64)
     right = np.asarray(features_right, dtype=np.float64)
@@ -333,7 +337,7 @@ def lfw_10fold_accuracy(
     for i, k in enumerate(fold_ids):
         test = folds == k
         train = ~test
-        mu = (total_sum - fold_sums[i]) / (total_count - fold_counts[i])
+        mu = (total_sum - fold_sums[i]) / (total_count - fold_counts[i]) if subtract_mean else 0.0
         scores = np.einsum("ij,ij->i", _unit_rows(left - mu), _unit_rows(right - mu))
         threshold, train_accuracy = best_threshold(scores[train], is_same[train], grid)
         accuracies.append(verification_accuracy(scores[test], is_same[test], threshold))
@@ -635,6 +639,8 @@ class LFWEvaluation:
     n_pairs: int
     n_images: int
     protocol: TenFoldResult
+    #: the same folds and threshold rule on the score the service computes (cosine, no mean subtracted)
+    cosine: TenFoldResult
     roc: RocCurve
     timing: dict[str, float]
     no_face_list: list[str] = field(default_factory=list)
@@ -671,6 +677,11 @@ class LFWEvaluation:
             "n_images": self.n_images,
             **self.protocol.to_dict(),
             "std_ddof": 1,
+            "cosine_protocol": {
+                "what": "the same 10 folds and threshold rule on the cosine the service computes "
+                "(L2-normalised fused features, no training-fold mean subtracted)",
+                **self.cosine.to_dict(),
+            },
             "no_face_images": len(self.no_face_list),
             "roc": self.roc.to_dict(),
             "timing_s": self.timing,
@@ -686,8 +697,11 @@ class LFWEvaluation:
         return {
             "accuracy": self.accuracy,
             "std": self.std,
+            "accuracy_cosine": self.cosine.accuracy,
+            "std_cosine": self.cosine.std,
             "landmarks": self.landmarks,
-            "protocol": "official SphereFace 10-fold (sphereface evaluate lfw)",
+            "protocol": "official SphereFace 10-fold (sphereface evaluate lfw); accuracy_cosine: the same "
+            "folds on the service's cosine score",
         }
 
     def summary(self) -> str:
@@ -698,6 +712,8 @@ class LFWEvaluation:
             f"accuracy {100 * p.accuracy:.2f}% ± {100 * p.std:.2f}%  threshold {p.threshold:.4f} "
             f"(folds {min(p.fold_thresholds):.4f}..{max(p.fold_thresholds):.4f})",
             "folds: " + " ".join(f"{100 * a:.2f}" for a in p.fold_accuracies),
+            f"on the service's score (cosine, no mean subtracted): {100 * self.cosine.accuracy:.2f}% ± "
+            f"{100 * self.cosine.std:.2f}%",
         ]
         tars = [f"{100 * v:.2f}% @ FAR {k}" for k, v in self.roc.tar_at_far.items() if v is not None]
         lines.append(f"ROC (raw cosine): AUC {self.roc.auc:.5f}; TAR " + ", ".join(tars))
@@ -821,6 +837,7 @@ def run_lfw_evaluation(
 
     left, right = pair_features(features, names, pairs)
     result = lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold)
+    cosine_result = lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold, subtract_mean=False)
     # ROC and its thresholds on the cosine the service computes (no mean subtraction).
     raw_scores = np.einsum(
         "ij,ij->i", _unit_rows(left.astype(np.float64)), _unit_rows(right.astype(np.float64))
@@ -857,6 +874,7 @@ def run_lfw_evaluation(
         n_pairs=len(pairs),
         n_images=len(names),
         protocol=result,
+        cosine=cosine_result,
         roc=curve,
         timing=timing,
         no_face_list=no_face_list,
@@ -890,36 +908,8 @@ def run_lfw_evaluation(
     return evaluation
 
 
-def write_thresholds(model_dir: str | Path, result: LFWEvaluation, far: float = 1e-3) -> Any:
-    """Store LFW-calibrated cosine thresholds and the LFW accuracy in a model's manifest.
-
-    ``thresholds["verification"]`` is the raw-cosine threshold at false-accept rate ``far`` over
-    LFW's 3,000 impostor pairs (the smallest FAR those pairs can measure is about 1e-3); every
-    other measurable FAR of the ROC is stored as ``far_<rate>``.
-    """
-    from models.manifest import Threshold, load_manifest, save_manifest
-
-    manifest = load_manifest(model_dir)
-    source = (
-        f"LFW View 2 ({result.roc.n_different} impostor / {result.roc.n_same} genuine pairs, "
-        f"landmarks={result.landmarks}), cosine of L2-normalised fused embeddings"
-    )
-    for label, value in result.roc.threshold_at_far.items():
-        if value is not None:
-            manifest.thresholds[f"far_{label}"] = Threshold(
-                value=float(value), far=float(label), source=source
-            )
-    chosen = manifest.thresholds.get(f"far_{far_label(far)}")
-    if chosen is None:
-        raise LFWDataError(f"FAR {far:g} cannot be measured with {result.roc.n_different} impostor pairs")
-    manifest.thresholds["verification"] = chosen
-    manifest.lfw = result.manifest_entry()
-    save_manifest(model_dir, manifest)
-    return manifest
-
-
 # --------------------------------------------------------------------------------------------
-# Helpers for training and export: aligned crops, threshold calibration on every in-fold pair
+# Helpers for training and export: aligned crops
 # --------------------------------------------------------------------------------------------
 
 
@@ -978,126 +968,3 @@ def pair_features(
     """Rows of ``features`` (one per name) for the left and right image of every pair."""
     index = {name: i for i, name in enumerate(names)}
     return features[[index[n] for n in pairs.left]], features[[index[n] for n in pairs.right]]
-
-
-def _fold_pair_scores(unit: np.ndarray, identities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Cosine of every unordered pair of ``unit`` rows, split into (genuine, impostor) scores."""
-    scores = unit @ unit.T
-    upper = np.triu_indices(len(unit), k=1)
-    same = identities[upper[0]] == identities[upper[1]]
-    flat = scores[upper]
-    return flat[same], flat[~same]
-
-
-def _threshold_for_far(impostor_scores: np.ndarray, far: float) -> float | None:
-    """Smallest threshold ``t`` with at most ``floor(far * n)`` impostor scores strictly above it."""
-    allowed = false_accepts_allowed(far, len(impostor_scores))
-    if allowed is None:
-        return None
-    position = len(impostor_scores) - 1 - allowed
-    return float(np.partition(impostor_scores, position)[position])
-
-
-def calibrate_thresholds(
-    features: np.ndarray,
-    names: Sequence[str],
-    pairs: LFWPairs,
-    fars: Sequence[float] = (1e-3, 1e-4, 1e-5),
-) -> dict[str, Any]:
-    """Cosine thresholds at false-accept rates far below what LFW's 3,000 impostor pairs can show.
-
-    Within each of the 10 folds (View 2's folds have disjoint people), every pair of the fold's
-    images is scored: same person = genuine, different people = impostor (about 300k impostor
-    pairs per fold, 3M in all). Each threshold is cross-validated: chosen on the other nine folds'
-    impostor scores, then its FAR and TAR are measured on the held-out fold (``heldout_far`` and
-    ``heldout_tar`` are the means over folds). The threshold reported for use is the one chosen on
-    all ten folds together.
-
-    Args:
-        features: ``(len(names), D)`` fused features (normalised here), cosine = dot product.
-        names: image names (``Name/Name_NNNN.jpg``), one per row.
-        pairs: the protocol pairs, for the fold of each image.
-        fars: false-accept rates (per comparison) to calibrate.
-
-    Returns:
-        ``{"far_1e-03": {"threshold", "heldout_far", "heldout_tar", "heldout_tar_std"}, ...,
-        "n_genuine", "n_impostor", "source"}``; a FAR that cannot be measured maps to None.
-    """
-    unit = _unit_rows(np.asarray(features, dtype=np.float64))
-    identities = np.array([identity_of(n) for n in names])
-    index = {name: i for i, name in enumerate(names)}
-    fold_rows: dict[int, set[int]] = {}
-    for left, right, fold in zip(pairs.left, pairs.right, pairs.fold, strict=True):
-        fold_rows.setdefault(int(fold), set()).update((index[left], index[right]))
-    per_fold = []
-    for fold in sorted(fold_rows):
-        rows = np.array(sorted(fold_rows[fold]))
-        per_fold.append(_fold_pair_scores(unit[rows], identities[rows]))
-    all_impostor = np.concatenate([imp for _, imp in per_fold])
-    n_genuine = int(sum(len(gen) for gen, _ in per_fold))
-    out: dict[str, Any] = {
-        "n_genuine": n_genuine,
-        "n_impostor": int(len(all_impostor)),
-        "source": (
-            f"LFW View 2 images, every within-fold pair ({n_genuine} genuine, {len(all_impostor)} impostor), "
-            "cosine of L2-normalised fused embeddings; FAR/TAR cross-validated over the 10 folds"
-        ),
-    }
-    for far in fars:
-        threshold = _threshold_for_far(all_impostor, far)
-        if threshold is None:
-            out[f"far_{far_label(far)}"] = None
-            continue
-        heldout_far, heldout_tar = [], []
-        for k, (genuine, impostor) in enumerate(per_fold):
-            others = np.concatenate([imp for j, (_, imp) in enumerate(per_fold) if j != k])
-            t = _threshold_for_far(others, far)
-            if t is None:
-                continue
-            heldout_far.append(float(np.mean(impostor > t)))
-            heldout_tar.append(float(np.mean(genuine > t)) if len(genuine) else float("nan"))
-        out[f"far_{far_label(far)}"] = {
-            "threshold": threshold,
-            "tar": float(np.mean(np.concatenate([g for g, _ in per_fold]) > threshold)),
-            "heldout_far": float(np.mean(heldout_far)),
-            "heldout_tar": float(np.mean(heldout_tar)),
-            "heldout_tar_std": float(np.std(heldout_tar, ddof=1)) if len(heldout_tar) > 1 else 0.0,
-        }
-    return out
-
-
-def write_calibrated_thresholds(
-    model_dir: str | Path,
-    result: LFWEvaluation,
-    calibration: dict[str, Any],
-    verification_far: float = 1e-3,
-    identification_far: float = 1e-4,
-) -> Any:
-    """Store LFW accuracy and the calibrated thresholds in a model's manifest.
-
-    ``thresholds["verification"]``: cosine threshold at ``verification_far`` per comparison.
-    ``thresholds["identification"]``: at ``identification_far`` per comparison; searching a
-    gallery of G subjects, a stranger is wrongly matched with probability at most about
-    ``G * identification_far``. Every calibrated FAR is also stored as ``far_<rate>``.
-    """
-    from models.manifest import Threshold, load_manifest, save_manifest
-
-    manifest = load_manifest(model_dir)
-    for key, entry in calibration.items():
-        if key.startswith("far_") and entry is not None:
-            manifest.thresholds[key] = Threshold(
-                value=float(entry["threshold"]), far=float(key[4:]), source=calibration["source"]
-            )
-    for role, far in (("verification", verification_far), ("identification", identification_far)):
-        chosen = manifest.thresholds.get(f"far_{far_label(far)}")
-        if chosen is None:
-            raise LFWDataError(
-                f"FAR {far:g} cannot be measured with {calibration['n_impostor']} impostor pairs"
-            )
-        manifest.thresholds[role] = chosen
-    manifest.lfw = {
-        **result.manifest_entry(),
-        "calibration": {k: v for k, v in calibration.items() if k.startswith("far_")},
-    }
-    save_manifest(model_dir, manifest)
-    return manifest

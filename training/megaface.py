@@ -405,11 +405,13 @@ def detect_landmarks(
 
 @dataclass
 class ModelKey:
-    """Which model made an embedding: the manifest's id and the ONNX file's hash."""
+    """Which model made an embedding: the manifest's id, and a hash of the ONNX file together with
+    the manifest's embedding config (template, normalisation, flip fusion), so a cache never
+    serves vectors made with another crop or fusion of the same weights."""
 
     model_dir: Path
     model_id: str
-    sha256: str
+    digest: str
 
     @classmethod
     def of(cls, model_dir: str | Path) -> ModelKey:
@@ -417,11 +419,13 @@ class ModelKey:
 
         model_dir = Path(model_dir)
         manifest = load_manifest(model_dir)
-        return cls(model_dir, manifest.model_id, _file_sha256(model_dir / "model.onnx"))
+        config = json.dumps(manifest.embedding_config(), sort_keys=True)
+        digest = hashlib.sha256(f"{_file_sha256(model_dir / 'model.onnx')}\0{config}".encode()).hexdigest()
+        return cls(model_dir, manifest.model_id, digest)
 
     @property
     def folder(self) -> str:
-        return f"{self.model_id.replace('/', '_').replace('@', '-')}-{self.sha256[:12]}"
+        return f"{self.model_id.replace('/', '_').replace('@', '-')}-{self.digest[:12]}"
 
 
 def _embed_rows(
@@ -460,7 +464,7 @@ def embed_faces(
     digest = faces.digest()
     cache = RowCache(
         cache_dir / "features" / model.folder / f"{faces.name}-{digest[:16]}",
-        {"set": faces.name, "digest": digest, "detector": DETECTOR_TAG, "model": model.sha256},
+        {"set": faces.name, "digest": digest, "detector": DETECTOR_TAG, "model": model.digest},
         len(faces),
         {"features": ((embedder.output_size,), np.float32)},
     )
@@ -537,7 +541,7 @@ def embed_augmented(
             "augmentation": AUGMENTATION_VERSION,
             "seed": seed,
             "detector": DETECTOR_TAG,
-            "model": model.sha256,
+            "model": model.digest,
         },
         count,
         {"features": ((embedder.output_size,), np.float32)},
@@ -1071,7 +1075,7 @@ def run_megaface(
         },
         "model_id": model.model_id,
         "model_dir": str(model_dir),
-        "model_sha256": model.sha256,
+        "model_digest": model.digest,
         "embedding_size": embedder.output_size,
         "provider": embedder.provider,
         "search_device": device,
