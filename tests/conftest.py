@@ -54,27 +54,24 @@ def mobilefacenet_checkpoint() -> Path:
     return require_shared("reference_models/mobilefacenet_casia/068.ckpt")
 
 
-#: The reference model's cosine threshold at FAR 1e-3 on LFW through our detector (`make models`).
-REFERENCE_LFW_FAR_1E3 = 0.4073
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model as `make install` leaves it: models/dlib_resnet_v1 with the model.onnx our
+    converter writes and the thresholds `sphereface calibrate` measured (committed manifest)."""
+    from models.registry import DEFAULT_MODEL_NAME, PACKAGE_MODELS_DIR
+
+    folder = PACKAGE_MODELS_DIR / DEFAULT_MODEL_NAME
+    require_path(folder / "model.onnx", "make install converts it with `sphereface import dlib`")
+    return folder
 
 
 @pytest.fixture(scope="session")
-def calibrated_reference_model(reference_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference model with verification and identification thresholds in its manifest: the
-    cosine at FAR 1e-3 on LFW that `make models` measures (calibrating here would take minutes)."""
-    import json
+def default_thresholds(default_model_dir: Path) -> dict[str, float]:
+    """The default model's calibrated cosine thresholds by role (verification, identification)."""
+    from models.manifest import load_manifest
 
-    out = tmp_path_factory.mktemp("calibrated") / "model"
-    shutil.copytree(reference_model_dir, out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    for role in ("verification", "identification"):
-        manifest["thresholds"][role] = {
-            "value": REFERENCE_LFW_FAR_1E3,
-            "far": 1e-3,
-            "source": "LFW, make models",
-        }
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
+    thresholds = load_manifest(default_model_dir).thresholds
+    return {role: thresholds[role].value for role in ("verification", "identification")}
 
 
 @pytest.fixture(scope="session")
