@@ -44,6 +44,13 @@ class FaceNotFoundError(ServiceError):
     http_status = 404
 
 
+class NoFaceImageError(ServiceError):
+    """The face exists but no image of it is stored."""
+
+    code = "no_face_image"
+    http_status = 404
+
+
 class DuplicatePhotoError(ServiceError):
     """The same photo (same bytes, same model) is already enrolled."""
 

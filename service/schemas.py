@@ -120,7 +120,13 @@ class SubjectOut(BaseModel):
     metadata: dict[str, Any]
     created_at: str
     updated_at: str
-    face_count: int = Field(description="faces enrolled, over all models")
+    face_count: int = Field(
+        description="faces enrolled for the model being served (the faces identification searches)"
+    )
+    face_count_all_models: int = Field(
+        description="faces enrolled with any model; more than face_count when the gallery was enrolled "
+        "with another model too (re-enroll for the served model: see `sphereface gallery reembed`)"
+    )
 
 
 class SubjectPage(BaseModel):
@@ -146,6 +152,11 @@ class FaceOut(BaseModel):
     box: list[float] | None = None
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
+    has_image: bool = Field(
+        False,
+        description="the region around the face is stored: GET /v1/faces/{id}/image shows it, and "
+        "`sphereface gallery reembed` can re-embed it for another model",
+    )
     embedding: list[float] | None = None
 
 

@@ -103,12 +103,10 @@ def best(service: Service, path: Path) -> str | None:
     return r.json()["faces"][0]["subject_id"]
 
 
-def test_gallery_survives_restarts_of_the_service_and_its_local_redis(
-    calibrated_reference_model, photos_dir, workdir
-):
+def test_gallery_survives_restarts_of_the_service_and_its_local_redis(default_model_dir, photos_dir, workdir):
     people = photos_dir / "people"
     data = workdir / "data"
-    service = Service(calibrated_reference_model, data)
+    service = Service(default_model_dir, data)
     try:
         face_id = enroll(service, "obama", people / "obama" / "1.jpg")
         enroll(service, "biden", people / "biden" / "1.jpg")
@@ -119,7 +117,7 @@ def test_gallery_survives_restarts_of_the_service_and_its_local_redis(
     with pytest.raises(ProcessLookupError):  # serve stopped its redis-server on the way out
         os.kill(redis_pid, 0)
 
-    service = Service(calibrated_reference_model, data)
+    service = Service(default_model_dir, data)
     try:
         faces = service.client.get("/v1/subjects/obama/faces").json()
         assert [f["id"] for f in faces] == [face_id]
@@ -131,7 +129,7 @@ def test_gallery_survives_restarts_of_the_service_and_its_local_redis(
         os.kill(int((data / "redis" / "redis.pid").read_text()), signal.SIGKILL)
     finally:
         service.stop()
-    service = Service(calibrated_reference_model, data)
+    service = Service(default_model_dir, data)
     try:
         assert service.client.get("/v1/subjects").json()["total"] == 3
         assert best(service, people / "lennon" / "2.jpg") == "lennon"
@@ -140,11 +138,11 @@ def test_gallery_survives_restarts_of_the_service_and_its_local_redis(
 
 
 def test_running_service_rides_out_a_redis_crash_and_restart(
-    calibrated_reference_model, photos_dir, redis_binary, workdir
+    default_model_dir, photos_dir, redis_binary, workdir
 ):
     people = photos_dir / "people"
     redis = LocalRedis(workdir / "redis", binary=redis_binary).start()
-    service = Service(calibrated_reference_model, workdir / "data", redis.url)
+    service = Service(default_model_dir, workdir / "data", redis.url)
     try:
         enroll(service, "clapton", people / "clapton" / "1.jpg")
         redis.kill()
@@ -162,12 +160,12 @@ def test_running_service_rides_out_a_redis_crash_and_restart(
 
 
 def test_two_service_processes_see_each_others_enrollments(
-    calibrated_reference_model, photos_dir, redis_binary, workdir
+    default_model_dir, photos_dir, redis_binary, workdir
 ):
     people = photos_dir / "people"
     redis = LocalRedis(workdir / "redis", binary=redis_binary).start()
-    a = Service(calibrated_reference_model, workdir / "a", redis.url)
-    b = Service(calibrated_reference_model, workdir / "b", redis.url)
+    a = Service(default_model_dir, workdir / "a", redis.url)
+    b = Service(default_model_dir, workdir / "b", redis.url)
     try:
         assert best(b, people / "kit_harington" / "2.jpg") is None  # empty gallery
         face_id = enroll(a, "kit_harington", people / "kit_harington" / "1.jpg")

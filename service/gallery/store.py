@@ -44,6 +44,7 @@ from service.errors import (
     SubjectExistsError,
     SubjectNotFoundError,
 )
+from service.gallery.face_images import FaceRegion
 
 #: The change stream keeps about this many entries; a worker further behind reloads fully.
 STREAM_MAXLEN = 1_000_000
@@ -51,7 +52,7 @@ STREAM_MAXLEN = 1_000_000
 _ADD_FACE = """
 -- KEYS: subject, subject faces, face, model faces, photo, rev, changes
 -- ARGV: face_id, subject_id, model_id, sha256, created_at, embedding, box, landmarks,
---       detection_score, source, max_faces, stream_maxlen
+--       detection_score, source, max_faces, stream_maxlen, region jpeg, region landmarks
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'subject_not_found', ''} end
 local existing = redis.call('GET', KEYS[5])
 if existing then return {'duplicate_photo', existing} end
@@ -60,6 +61,9 @@ redis.call('SET', KEYS[5], ARGV[1])
 redis.call('HSET', KEYS[3], 'subject', ARGV[2], 'model_id', ARGV[3], 'photo_sha256', ARGV[4],
   'created_at', ARGV[5], 'embedding', ARGV[6], 'box', ARGV[7], 'landmarks', ARGV[8],
   'detection_score', ARGV[9], 'source', ARGV[10])
+if ARGV[13] ~= '' then
+  redis.call('HSET', KEYS[3], 'region', ARGV[13], 'region_landmarks', ARGV[14])
+end
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[1])
 local rev = redis.call('INCR', KEYS[6])
@@ -167,7 +171,10 @@ class Subject:
     metadata: dict[str, Any]
     created_at: str
     updated_at: str
+    #: faces of the model the counts were asked for (``model_id``); all faces when none was
     face_count: int = 0
+    #: faces of every model (a gallery enrolled with several models)
+    face_count_all_models: int = 0
 
 
 @dataclass
@@ -180,6 +187,8 @@ class NewFace:
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
     source: str = "photo"
+    #: the region around the face (JPEG) and its landmarks there, to re-embed for another model
+    region: FaceRegion | None = None
 
 
 @dataclass
@@ -193,6 +202,8 @@ class FaceRecord:
     box: list[float] | None = None
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
+    #: whether the region around the face is stored (``face_region``)
+    has_region: bool = False
     embedding: np.ndarray | None = field(default=None, repr=False)
 
 
@@ -267,7 +278,7 @@ class GalleryStore:
             )
         if not done:
             raise SubjectExistsError(f"subject {subject_id!r} already exists")
-        return Subject(subject_id, name, metadata or {}, created, created, 0)
+        return Subject(subject_id, name, metadata or {}, created, created, 0, 0)
 
     def ensure_subjects(self, subject_ids: Sequence[str]) -> list[str]:
         """Create the subjects that do not exist yet (bulk enrollment); returns those created."""
@@ -280,25 +291,33 @@ class GalleryStore:
                 pass
         return created
 
-    def get_subject(self, subject_id: str) -> Subject:
+    def _queue_counts(self, pipe: redis.client.Pipeline, subject_id: str, model_id: str | None) -> None:
+        pipe.scard(self.subject_faces_key(subject_id))
+        if model_id is not None:
+            pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id)])
+
+    def get_subject(self, subject_id: str, model_id: str | None = None) -> Subject:
+        """A subject with its face counts: all models', and ``model_id``'s when given."""
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(self.subject_key(subject_id))
-            pipe.scard(self.subject_faces_key(subject_id))
-            record, count = pipe.execute()
+            self._queue_counts(pipe, subject_id, model_id)
+            record, *counts = pipe.execute()
         if not record or b"created_at" not in record:
             raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
-        return self._subject(record, count)
+        return self._subject(record, counts)
 
     @staticmethod
-    def _subject(record: dict[bytes, bytes], face_count: int) -> Subject:
+    def _subject(record: dict[bytes, bytes], counts: Sequence[int]) -> Subject:
+        total = int(counts[0])
         return Subject(
             id=record[b"id"].decode(),
             name=record.get(b"name", b"").decode() or None,
             metadata=json.loads(record.get(b"metadata", b"{}")),
             created_at=record[b"created_at"].decode(),
             updated_at=record.get(b"updated_at", record[b"created_at"]).decode(),
-            face_count=face_count,
+            face_count=int(counts[1]) if len(counts) > 1 else total,
+            face_count_all_models=total,
         )
 
     def subject_names(self, subject_ids: Sequence[str]) -> dict[str, str | None]:
@@ -311,28 +330,35 @@ class GalleryStore:
             names = pipe.execute()
         return {sid: (_s(n) or None) for sid, n in zip(subject_ids, names, strict=True)}
 
-    def list_subjects(self, offset: int = 0, limit: int = 50) -> tuple[list[Subject], int]:
-        """A page of subjects in creation order, and the total count."""
+    def list_subjects(
+        self, offset: int = 0, limit: int = 50, model_id: str | None = None
+    ) -> tuple[list[Subject], int]:
+        """A page of subjects in creation order (face counts as :meth:`get_subject`), and the total."""
         if offset < 0 or limit < 1:
             # ZRANGE 0 -1 would be the whole set, and negative offsets count from the end.
             raise InvalidRequestError(f"offset must be >= 0 and limit >= 1, not {offset} and {limit}")
+        per_subject = 2 if model_id is None else 3
         with _redis_errors():
             total = self.redis.zcard(self.subjects_key)
             ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
             pipe = self.redis.pipeline(transaction=False)
             for sid in ids:
                 pipe.hgetall(self.subject_key(sid))
-                pipe.scard(self.subject_faces_key(sid))
+                self._queue_counts(pipe, sid, model_id)
             replies = pipe.execute()
-        subjects = [
-            self._subject(replies[2 * i], replies[2 * i + 1])
-            for i in range(len(ids))
-            if replies[2 * i] and b"created_at" in replies[2 * i]
-        ]
+        subjects = []
+        for i in range(len(ids)):
+            record, *counts = replies[per_subject * i : per_subject * (i + 1)]
+            if record and b"created_at" in record:
+                subjects.append(self._subject(record, counts))
         return subjects, total
 
     def update_subject(
-        self, subject_id: str, name: str | None = None, metadata: dict[str, Any] | None = None
+        self,
+        subject_id: str,
+        name: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        model_id: str | None = None,
     ) -> Subject:
         key = self.subject_key(subject_id)
         fields: dict[str, str] = {"updated_at": now_iso()}
@@ -345,7 +371,7 @@ class GalleryStore:
             # One script: the update cannot resurrect a subject deleted meanwhile.
             if not self._update_subject(keys=[key], args=flat):
                 raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
-        return self.get_subject(subject_id)
+        return self.get_subject(subject_id, model_id)
 
     def delete_subject(self, subject_id: str) -> int:
         """Delete a subject and all its faces; returns how many faces went with it."""
@@ -407,6 +433,8 @@ class GalleryStore:
                         face.source,
                         self.max_faces_per_subject,
                         STREAM_MAXLEN,
+                        face.region.jpeg if face.region is not None else b"",
+                        json.dumps(face.region.landmarks.tolist()) if face.region is not None else "",
                     ],
                     client=pipe,
                 )
@@ -426,6 +454,7 @@ class GalleryStore:
                         box=face.box,
                         landmarks=face.landmarks,
                         detection_score=face.detection_score,
+                        has_region=face.region is not None,
                     )
                 )
             elif status == "subject_not_found":
@@ -442,28 +471,66 @@ class GalleryStore:
                 )
         return results
 
+    #: Face hash fields read for a record (the region's JPEG only on request: it is the bulk).
+    _FACE_FIELDS = (
+        "subject",
+        "model_id",
+        "photo_sha256",
+        "created_at",
+        "source",
+        "box",
+        "landmarks",
+        "detection_score",
+        "region_landmarks",
+        "embedding",
+    )
+
+    def _queue_face(self, pipe: redis.client.Pipeline, face_id: str, with_embedding: bool) -> None:
+        fields = self._FACE_FIELDS if with_embedding else self._FACE_FIELDS[:-1]
+        pipe.hmget(self.face_key(face_id), fields)
+
     def get_face(self, face_id: str, *, with_embedding: bool = False) -> FaceRecord:
         with _redis_errors():
-            record = self.redis.hgetall(self.face_key(face_id))
-        if not record:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_face(pipe, face_id, with_embedding)
+            (values,) = pipe.execute()
+        record = self._face(face_id, values)
+        if record is None:
             raise FaceNotFoundError(f"face {face_id!r} does not exist")
-        return self._face(face_id, record, with_embedding)
+        return record
 
-    @staticmethod
-    def _face(face_id: str, record: dict[bytes, bytes], with_embedding: bool) -> FaceRecord:
-        score = record.get(b"detection_score", b"")
+    def _face(self, face_id: str, values: Sequence[bytes | None]) -> FaceRecord | None:
+        record = dict(zip(self._FACE_FIELDS, values, strict=False))
+        if record["subject"] is None:
+            return None
+        score = record["detection_score"] or b""
+        embedding = record.get("embedding")
         return FaceRecord(
             id=face_id,
-            subject_id=record[b"subject"].decode(),
-            model_id=record[b"model_id"].decode(),
-            photo_sha256=record[b"photo_sha256"].decode(),
-            created_at=record[b"created_at"].decode(),
-            source=record.get(b"source", b"photo").decode(),
-            box=json.loads(record.get(b"box", b"null")),
-            landmarks=json.loads(record.get(b"landmarks", b"null")),
+            subject_id=record["subject"].decode(),
+            model_id=record["model_id"].decode(),
+            photo_sha256=record["photo_sha256"].decode(),
+            created_at=record["created_at"].decode(),
+            source=(record["source"] or b"photo").decode(),
+            box=json.loads(record["box"] or b"null"),
+            landmarks=json.loads(record["landmarks"] or b"null"),
             detection_score=float(score) if score else None,
-            embedding=np.frombuffer(record[b"embedding"], dtype="<f4").copy() if with_embedding else None,
+            has_region=bool(record["region_landmarks"]),
+            embedding=np.frombuffer(embedding, dtype="<f4").copy() if embedding is not None else None,
         )
+
+    def face_region(self, face_id: str) -> FaceRegion | None:
+        """The stored region around a face (None when the face has none: enrolled from an
+        embedding, or with SPHEREFACE_STORE_FACE_IMAGES off)."""
+        with _redis_errors():
+            jpeg, points, subject = self.redis.hmget(
+                self.face_key(face_id), "region", "region_landmarks", "subject"
+            )
+        if subject is None:
+            raise FaceNotFoundError(f"face {face_id!r} does not exist")
+        if not jpeg or not points:
+            return None
+        return FaceRegion(jpeg, np.asarray(json.loads(points), dtype=np.float64))
 
     def subject_faces(self, subject_id: str, *, with_embedding: bool = False) -> list[FaceRecord]:
         self.get_subject(subject_id)
@@ -471,9 +538,9 @@ class GalleryStore:
             ids = sorted(f.decode() for f in self.redis.smembers(self.subject_faces_key(subject_id)))
             pipe = self.redis.pipeline(transaction=False)
             for face_id in ids:
-                pipe.hgetall(self.face_key(face_id))
-            records = pipe.execute()
-        faces = [self._face(i, r, with_embedding) for i, r in zip(ids, records, strict=True) if r]
+                self._queue_face(pipe, face_id, with_embedding)
+            replies = pipe.execute()
+        faces = [f for f in (self._face(i, v) for i, v in zip(ids, replies, strict=True)) if f is not None]
         return sorted(faces, key=lambda f: (f.created_at, f.id))
 
     def remove_faces(self, face_ids: Sequence[str]) -> int:
@@ -503,6 +570,16 @@ class GalleryStore:
     def revision(self) -> int:
         with _redis_errors():
             return int(self.redis.get(self.rev_key) or 0)
+
+    def faces_per_model(self) -> dict[str, int]:
+        """How many faces each model has in the gallery (``model_id -> count``)."""
+        prefix = f"{self.prefix}model:"
+        counts = {}
+        with _redis_errors():
+            for key in self.redis.scan_iter(match=f"{prefix}*:faces", count=1000):
+                name = key.decode()
+                counts[name[len(prefix) : -len(":faces")]] = int(self.redis.scard(name))
+        return {k: v for k, v in counts.items() if v}
 
     def stats(self, model_id: str) -> GalleryStats:
         with _redis_errors():

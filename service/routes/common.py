@@ -64,6 +64,7 @@ class PhotoFaces:
     sha256: str
     faces: list[DetectedFace]
     crops: np.ndarray
+    image: np.ndarray
 
 
 class FaceWork:
@@ -100,7 +101,7 @@ class FaceWork:
             exc.message = f"{upload.filename or 'photo'}: {exc.message}"
             raise
         self.metrics.count_faces(len(faces))
-        return PhotoFaces(sha, faces, crops)
+        return PhotoFaces(sha, faces, crops, image)
 
     def embed(self, crops: list[np.ndarray] | np.ndarray) -> np.ndarray:
         """Embed aligned crops in batches (one array per photo, or one stacked array)."""

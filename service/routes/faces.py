@@ -69,7 +69,7 @@ def embed(
                         f"{image.shape[1]}x{image.shape[0]}",
                     )
                 else:
-                    photo = PhotoFaces(sha, [], image[None])
+                    photo = PhotoFaces(sha, [], image[None], image)
             else:
                 photo = work.detect(upload, faces)
         except FacePathError as exc:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from models.errors import FacePathError, ImageTooLargeError
 from service.auth import require_admin, require_read
-from service.errors import InvalidRequestError, ServiceError
+from service.errors import InvalidRequestError, NoFaceImageError, ServiceError
+from service.gallery.face_images import cut_face_region
 from service.gallery.store import (
     FaceRecord,
     GalleryStore,
@@ -51,7 +52,13 @@ def get_store(request: Request) -> GalleryStore:
     return request.app.state.store
 
 
+def get_model_id(request: Request) -> str:
+    """The served model's id: subject answers count the faces of this model."""
+    return request.app.state.pipeline.manifest.model_id
+
+
 Store = Annotated[GalleryStore, Depends(get_store)]
+ModelId = Annotated[str, Depends(get_model_id)]
 
 
 def _subject(subject: Subject) -> SubjectOut:
@@ -59,9 +66,9 @@ def _subject(subject: Subject) -> SubjectOut:
 
 
 def _face(face: FaceRecord) -> FaceOut:
-    fields = {k: v for k, v in face.__dict__.items() if k != "embedding"}
+    fields = {k: v for k, v in face.__dict__.items() if k not in ("embedding", "has_region")}
     embedding = None if face.embedding is None else face.embedding.tolist()
-    return FaceOut(**fields, embedding=embedding)
+    return FaceOut(**fields, has_image=face.has_region, embedding=embedding)
 
 
 # -- subjects -----------------------------------------------------------------------------------
@@ -87,10 +94,11 @@ def create_subject(store: Store, body: SubjectCreate) -> SubjectOut:
 )
 def list_subjects(
     store: Store,
+    model_id: ModelId,
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> SubjectPage:
-    subjects, total = store.list_subjects(offset, limit)
+    subjects, total = store.list_subjects(offset, limit, model_id)
     following = offset + limit
     return SubjectPage(
         subjects=[_subject(s) for s in subjects],
@@ -108,8 +116,8 @@ def list_subjects(
     dependencies=[Depends(require_read)],
     summary="One subject",
 )
-def get_subject(store: Store, subject_id: SubjectId) -> SubjectOut:
-    return _subject(store.get_subject(subject_id))
+def get_subject(store: Store, model_id: ModelId, subject_id: SubjectId) -> SubjectOut:
+    return _subject(store.get_subject(subject_id, model_id))
 
 
 @router.patch(
@@ -119,8 +127,8 @@ def get_subject(store: Store, subject_id: SubjectId) -> SubjectOut:
     dependencies=[Depends(require_admin)],
     summary="Change a subject's name or metadata",
 )
-def update_subject(store: Store, subject_id: SubjectId, body: SubjectUpdate) -> SubjectOut:
-    return _subject(store.update_subject(subject_id, body.name, body.metadata))
+def update_subject(store: Store, model_id: ModelId, subject_id: SubjectId, body: SubjectUpdate) -> SubjectOut:
+    return _subject(store.update_subject(subject_id, body.name, body.metadata, model_id))
 
 
 @router.delete(
@@ -192,6 +200,25 @@ def list_faces(
 def delete_face(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> FaceDeleted:
     store.delete_face(face_id)
     return FaceDeleted(id=face_id)
+
+
+@router.get(
+    "/faces/{face_id}/image",
+    response_class=Response,
+    responses={**ERRORS, 200: {"content": {"image/jpeg": {}}, "description": "the region around the face"}},
+    dependencies=[Depends(require_read)],
+    summary="The stored region around a face (JPEG)",
+)
+def face_image(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> Response:
+    """The JPEG kept at enrollment (a square about 2.2 face widths wide, at most 320 pixels).
+    Errors: `face_not_found` (404), `no_face_image` (404: enrolled from an embedding, or with
+    `SPHEREFACE_STORE_FACE_IMAGES=false`)."""
+    region = store.face_region(face_id)
+    if region is None:
+        raise NoFaceImageError(f"face {face_id!r} has no stored image")
+    return Response(
+        content=region.jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"}
+    )
 
 
 # -- bulk enrollment ----------------------------------------------------------------------------
@@ -271,9 +298,13 @@ def _enroll_photos(
             results.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
     vectors = work.embed([photo.crops[:1] for _, _, photo in detected])
     ready = []
+    keep_region = work.settings.store_face_images
     for (index, subject_id, photo), vector in zip(detected, vectors, strict=True):
         face = photo.faces[0]
-        new = NewFace(vector, photo.sha256, face.box.tolist(), face.landmarks.tolist(), float(face.score))
+        region = cut_face_region(photo.image, face.box, face.landmarks) if keep_region else None
+        new = NewFace(
+            vector, photo.sha256, face.box.tolist(), face.landmarks.tolist(), float(face.score), region=region
+        )
         ready.append((index, subject_id, new))
     return _store(store, work, ready, results, created, filenames)
 
