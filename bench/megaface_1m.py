@@ -16,7 +16,8 @@ Then it runs ``sphereface evaluate megaface --protocol local`` with all of it in
 and records the wall time and the peak resident memory of that process (``/proc`` via
 ``resource``), next to the embedding rate.
 
-    .venv/bin/python bench/megaface_1m.py --model models/default --json docs/results/megaface_1m.json
+    .venv/bin/python bench/megaface_1m.py --model models/sphereface_celeba \\
+        --json docs/results/megaface_1m.json
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def build_variants(sources: list[np.ndarray], count: int, cos: float, seed: int,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="models/default")
+    ap.add_argument("--model", default="models/sphereface_celeba")
     ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--distractors", type=int, default=1_000_000)
     ap.add_argument(
