@@ -143,8 +143,10 @@ def describe_model(entry: ModelEntry) -> dict[str, object]:
     )
     lfw = manifest.lfw or {}
     if "accuracy" in lfw:
-        accuracy, std = 100 * lfw["accuracy"], 100 * lfw.get("std", 0)
-        info["lfw"] = f"{accuracy:.2f}% ± {std:.2f}% (landmarks {lfw.get('landmarks')})"
+        text = f"{100 * lfw['accuracy']:.2f}% ± {100 * lfw.get('std', 0):.2f}% official SphereFace protocol"
+        if "accuracy_cosine" in lfw:
+            text += f", {100 * lfw['accuracy_cosine']:.2f}% on the service's cosine"
+        info["lfw"] = f"{text} (landmarks {lfw.get('landmarks')})"
     roles = [
         f"{role} {t.value:.4f} (FAR {t.far:g})"
         for role in ("verification", "identification")

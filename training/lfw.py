@@ -709,11 +709,11 @@ class LFWEvaluation:
         lines = [
             f"LFW ({self.n_pairs} pairs in {len(p.fold_accuracies)} folds, {self.n_images} images, "
             f"landmarks={self.landmarks}) model {self.model_id} on {self.provider}",
-            f"accuracy {100 * p.accuracy:.2f}% ± {100 * p.std:.2f}%  threshold {p.threshold:.4f} "
-            f"(folds {min(p.fold_thresholds):.4f}..{max(p.fold_thresholds):.4f})",
-            "folds: " + " ".join(f"{100 * a:.2f}" for a in p.fold_accuracies),
-            f"on the service's score (cosine, no mean subtracted): {100 * self.cosine.accuracy:.2f}% ± "
-            f"{100 * self.cosine.std:.2f}%",
+            f"accuracy {100 * p.accuracy:.2f}% ± {100 * p.std:.2f}% (official SphereFace protocol: "
+            f"training folds' mean subtracted; threshold {p.threshold:.4f})",
+            f"accuracy {100 * self.cosine.accuracy:.2f}% ± {100 * self.cosine.std:.2f}% (the same folds on "
+            f"the service's score: the cosine, no mean subtracted; threshold {self.cosine.threshold:.4f})",
+            "folds (official): " + " ".join(f"{100 * a:.2f}" for a in p.fold_accuracies),
         ]
         tars = [f"{100 * v:.2f}% @ FAR {k}" for k, v in self.roc.tar_at_far.items() if v is not None]
         lines.append(f"ROC (raw cosine): AUC {self.roc.auc:.5f}; TAR " + ", ".join(tars))
