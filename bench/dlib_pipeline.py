@@ -14,7 +14,6 @@ folds on the plain cosine (what the service computes).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+
+from training.reports import write_json  # noqa: E402
 
 
 def dlib_descriptors(lfw: Path, names: list[str], progress: bool = True) -> tuple[np.ndarray, list[str]]:
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         f"distance < 0.6 {100 * report['dlib_fixed_threshold_0.6']:.2f}%"
     )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
     return 0
 
 

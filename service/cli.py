@@ -301,7 +301,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from models.registry import resolve_model
-    from training.calibration import plot_calibration, run_calibration, save_report, write_calibration
+    from training.calibration import plot_calibration, run_calibration, write_calibration
+    from training.reports import write_json
 
     model_dir = resolve_model(args.model)
     lfw = (
@@ -321,7 +322,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                 f"held-out FAR {entry['heldout_far']:.2e}"
             )
     if args.json_out:
-        save_report(report, args.json_out)
+        write_json(args.json_out, report)
     if args.plot:
         plot_calibration(report, args.plot)
     if not args.no_write:

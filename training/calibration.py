@@ -21,7 +21,6 @@ stays under a few hundred MB.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -367,10 +366,3 @@ def write_calibration(
     }
     save_manifest(model_dir, manifest)
     return manifest
-
-
-def save_report(report: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    return path

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from models.dlib_chip import apply_matrix, dlib_chip_matrix
+from training.reports import write_json
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dumps({k: report[k] for k in ("faces_used", "template", "ridge", "heldout_by_ridge")}, indent=1)
     )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report, indent=2)
     return 0
 
 

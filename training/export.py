@@ -95,8 +95,9 @@ def export_checkpoint(
     save_manifest(out_dir, manifest)
     report: dict[str, Any] = {"onnx_parity_max_abs_diff": diff, "checkpoint_step": int(state["step"])}
     if lfw_dir is not None:
-        from training.calibration import plot_calibration, run_calibration, save_report, write_calibration
+        from training.calibration import plot_calibration, run_calibration, write_calibration
         from training.lfw import run_lfw_evaluation
+        from training.reports import write_json
 
         result = run_lfw_evaluation(
             out_dir, lfw_dir, landmarks=landmarks, json_out=out_dir / "lfw.json",
@@ -106,7 +107,7 @@ def export_checkpoint(
         manifest.lfw = result.manifest_entry()
         save_manifest(out_dir, manifest)
         calibration = run_calibration(out_dir, lfw_dir, progress=progress)
-        save_report(calibration, out_dir / "calibration.json")
+        write_json(out_dir / "calibration.json", calibration)
         plot_calibration(calibration, out_dir / "calibration.png")
         manifest = write_calibration(out_dir, calibration, verification_far, identification_far)
         report.update(lfw_accuracy=result.accuracy, lfw_std=result.std, calibration=calibration["fars"])

@@ -14,7 +14,6 @@ false-accept rate of 1e-3 (per person, so people with many photos do not dominat
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from training.calibration import calibrate, identity_folds, score_all_pairs
+from training.reports import write_json
 
 FUSIONS = ("none", "concat", "sum")
 DECISION_FAR = "1e-03"
@@ -134,8 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{fusion:7} " + "; ".join(cells))
     print(f"chosen: {report['chosen']} ({report['rule']})")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
     return 0
 
 
