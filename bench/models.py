@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import platform
 import sys
 import tempfile
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(models, pairs, args.rounds, args.threads)
     report = {
         "command": " ".join(["python", "bench/models.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "pairs": len(pairs),
         "rounds": args.rounds,
         "models": results,

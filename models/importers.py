@@ -235,7 +235,7 @@ def _calibration_to_keep(out_dir: Path, manifest: ModelManifest) -> ModelManifes
     )
     if same:
         manifest.thresholds, manifest.calibration, manifest.lfw = old.thresholds, old.calibration, old.lfw
-    else:
+    elif old.thresholds:
         log.warning(
             "%s: the earlier manifest described another embedding; its thresholds are dropped", out_dir
         )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import ModelFolderError
-from models.manifest import MANIFEST_NAME, MODEL_NAME, ModelManifest, load_manifest, load_manifest_data
+from models.manifest import MANIFEST_NAME, MODEL_NAME, ModelManifest, load_manifest_data
 
 #: The model ``sphereface serve`` (and every ``--model default``) uses.
 DEFAULT_MODEL_NAME = "dlib_resnet_v1"
@@ -112,11 +112,6 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
         how = HOW_TO_GET.get(name, f"{folder / MODEL_NAME} is missing")
         raise ModelFolderError(f"model {name!r} ({folder}) has no weights yet: {how}")
     return folder
-
-
-def load_named_manifest(name_or_path: str | os.PathLike[str] | None) -> ModelManifest:
-    """The manifest of a model given by name or folder (see :func:`resolve_model`)."""
-    return load_manifest(resolve_model(name_or_path))
 
 
 def _short(text: str, limit: int = 100) -> str:

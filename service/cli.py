@@ -601,10 +601,9 @@ def _run_gallery(args: argparse.Namespace) -> int:
             return 0
         from models.embedder import Embedder
         from models.registry import resolve_model
-
-        embedder = Embedder(resolve_model(args.model), "cpu", batch_size=32)
         from service.gallery.reembed import reembed_gallery
 
+        embedder = Embedder(resolve_model(args.model), "cpu", batch_size=32)
         report = reembed_gallery(store, embedder, dry_run=args.dry_run, progress=not args.no_progress)
         print(report.summary())
     return 0

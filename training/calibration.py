@@ -187,7 +187,7 @@ def calibrate(scores: PairScores, fars: Sequence[float] = CALIBRATION_FARS, n_fo
     return out
 
 
-def _keep_for(fars: Sequence[float], n_pairs: int) -> int:
+def impostor_scores_to_keep(fars: Sequence[float], n_pairs: int) -> int:
     """How many top impostor scores to keep: twice the most any calibrated FAR needs."""
     return 2 * (max(false_accepts_allowed(f, n_pairs) or 0 for f in fars) + 1)
 
@@ -252,7 +252,7 @@ def run_calibration(
     folds = identity_folds(identities, seed=seed)
     n = len(features)
     scores = score_all_pairs(
-        features, identities, folds, keep=_keep_for(fars, n * (n - 1) // 2), progress=progress
+        features, identities, folds, keep=impostor_scores_to_keep(fars, n * (n - 1) // 2), progress=progress
     )
     result = calibrate(scores, fars)
     n_people = len(set(identities))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from training.calibration import calibrate, identity_folds, score_all_pairs
+from training.calibration import calibrate, identity_folds, impostor_scores_to_keep, score_all_pairs
 from training.reports import write_json
 
 FUSIONS = ("none", "concat", "sum")
@@ -88,7 +88,7 @@ def compare_fusions(
     """TAR (all pairs, and per person) at each FAR for each fusion, and the winner."""
     folds = identity_folds(identities)
     n = len(identities)
-    keep = 2 * int(max(fars) * n * (n - 1) / 2 + 2)
+    keep = impostor_scores_to_keep(fars, n * (n - 1) // 2)
     table = {}
     for fusion in FUSIONS:
         scores = score_all_pairs(

@@ -25,6 +25,7 @@ from service.gallery.store import FaceRecord, GalleryStore, NewFace
 @dataclass
 class ReembedReport:
     model_id: str
+    dry_run: bool = False
     photos: int = 0
     reembedded: int = 0
     already: int = 0
@@ -33,7 +34,8 @@ class ReembedReport:
 
     def summary(self) -> str:
         lines = [
-            f"{self.photos} enrolled photos: {self.reembedded} re-embedded for {self.model_id}, "
+            f"{self.photos} enrolled photos: {self.reembedded} "
+            f"{'to re-embed' if self.dry_run else 're-embedded'} for {self.model_id}, "
             f"{self.already} already had a face of this model, "
             f"{len(self.without_image)} without a stored image"
         ]
@@ -92,7 +94,7 @@ def reembed_gallery(
 
     manifest = embedder.manifest
     template = get_template(manifest.template)
-    report = ReembedReport(model_id=manifest.model_id)
+    report = ReembedReport(model_id=manifest.model_id, dry_run=dry_run)
     batch: list[tuple[str, FaceRecord, FaceRegion, np.ndarray]] = []
 
     def flush() -> None:

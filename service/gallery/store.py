@@ -291,10 +291,13 @@ class GalleryStore:
                 pass
         return created
 
-    def _queue_counts(self, pipe: redis.client.Pipeline, subject_id: str, model_id: str | None) -> None:
+    def _queue_counts(self, pipe: redis.client.Pipeline, subject_id: str, model_id: str | None) -> int:
+        """Queue a subject's face counts (all models, then ``model_id``'s); returns how many."""
         pipe.scard(self.subject_faces_key(subject_id))
-        if model_id is not None:
-            pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id)])
+        if model_id is None:
+            return 1
+        pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id)])
+        return 2
 
     def get_subject(self, subject_id: str, model_id: str | None = None) -> Subject:
         """A subject with its face counts: all models', and ``model_id``'s when given."""
@@ -337,14 +340,14 @@ class GalleryStore:
         if offset < 0 or limit < 1:
             # ZRANGE 0 -1 would be the whole set, and negative offsets count from the end.
             raise InvalidRequestError(f"offset must be >= 0 and limit >= 1, not {offset} and {limit}")
-        per_subject = 2 if model_id is None else 3
+        per_subject = 1
         with _redis_errors():
             total = self.redis.zcard(self.subjects_key)
             ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
             pipe = self.redis.pipeline(transaction=False)
             for sid in ids:
                 pipe.hgetall(self.subject_key(sid))
-                self._queue_counts(pipe, sid, model_id)
+                per_subject = 1 + self._queue_counts(pipe, sid, model_id)
             replies = pipe.execute()
         subjects = []
         for i in range(len(ids)):
@@ -485,15 +488,12 @@ class GalleryStore:
         "embedding",
     )
 
-    def _queue_face(self, pipe: redis.client.Pipeline, face_id: str, with_embedding: bool) -> None:
-        fields = self._FACE_FIELDS if with_embedding else self._FACE_FIELDS[:-1]
-        pipe.hmget(self.face_key(face_id), fields)
+    def _face_fields(self, with_embedding: bool) -> tuple[str, ...]:
+        return self._FACE_FIELDS if with_embedding else self._FACE_FIELDS[:-1]
 
     def get_face(self, face_id: str, *, with_embedding: bool = False) -> FaceRecord:
         with _redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            self._queue_face(pipe, face_id, with_embedding)
-            (values,) = pipe.execute()
+            values = self.redis.hmget(self.face_key(face_id), self._face_fields(with_embedding))
         record = self._face(face_id, values)
         if record is None:
             raise FaceNotFoundError(f"face {face_id!r} does not exist")
@@ -538,7 +538,7 @@ class GalleryStore:
             ids = sorted(f.decode() for f in self.redis.smembers(self.subject_faces_key(subject_id)))
             pipe = self.redis.pipeline(transaction=False)
             for face_id in ids:
-                self._queue_face(pipe, face_id, with_embedding)
+                pipe.hmget(self.face_key(face_id), self._face_fields(with_embedding))
             replies = pipe.execute()
         faces = [f for f in (self._face(i, v) for i, v in zip(ids, replies, strict=True)) if f is not None]
         return sorted(faces, key=lambda f: (f.created_at, f.id))
