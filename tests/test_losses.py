@@ -172,28 +172,25 @@ def test_pure_asoftmax_loss_is_at_least_modified_softmax_loss(m: int) -> None:
         assert head(features, labels).loss.item() >= reference.item() - 1e-6
 
 
-def test_lambda_schedule_starts_at_base_decreases_and_hits_floor_at_step_1659() -> None:
+def _caffe_lambdas(iterations: int) -> list[float]:
+    """lambda as the authors' MarginInnerProductLayer computes it, forward pass by forward pass:
+    ``iter_ += 1`` first, then ``max(base * (1 + gamma * iter_) ** -power, lambda_min)``."""
+    out, iter_ = [], 0.0
+    for _ in range(iterations):
+        iter_ += 1.0
+        out.append(max(1000.0 * (1.0 + 0.12 * iter_) ** -1.0, 5.0))
+    return out
+
+
+def test_lambda_schedule_equals_the_authors_caffe_layer_step_by_step() -> None:
     schedule = LambdaSchedule()
-    assert schedule(0) == 1000.0
-    values = [schedule(t) for t in range(0, 5000)]
-    assert all(b <= a for a, b in zip(values[:-1], values[1:], strict=True))
-    assert schedule(1658) > 5.0
-    assert schedule(1659) == 5.0
+    expected = _caffe_lambdas(5000)
+    assert [schedule(t) for t in range(5000)] == pytest.approx(expected, rel=1e-12)
+    assert schedule(0) == pytest.approx(892.857, abs=1e-3)  # Caffe's first lambda, not 1000
+    assert schedule(1657) > 5.0
+    assert schedule(1658) == 5.0
+    assert schedule.floor_step() == 1658
     assert schedule(10**7) == 5.0
-    assert schedule(10) == pytest.approx(1000.0 / 2.2)
-
-
-@pytest.mark.parametrize("total_steps", [2800, 7000, 56000])
-def test_scaled_schedule_reaches_floor_at_same_fraction_of_the_run(total_steps: int) -> None:
-    schedule = LambdaSchedule().scaled(total_steps)
-    floor_fraction = (200.0 - 1.0) / 0.12 / 28000  # 1658.33 / 28000
-    first = math.ceil(floor_fraction * total_steps)
-    assert schedule(0) == 1000.0
-    assert schedule(first) == 5.0
-    assert schedule(first - 1) > 5.0
-    assert LambdaSchedule().scaled(28000) == LambdaSchedule()
-    with pytest.raises(ValueError):
-        LambdaSchedule().scaled(0)
 
 
 def test_asoftmax_normalises_weights_every_forward_without_touching_the_parameter() -> None:
@@ -329,8 +326,33 @@ def test_heads_run_under_bf16_autocast_and_return_float32(name: str) -> None:
 
 def test_lambda_schedule_can_be_set_to_reach_its_floor_at_a_given_step():
     schedule = LambdaSchedule().reaching_floor_at(48.7)
-    assert schedule(0) == 1000.0
+    assert schedule(0) == pytest.approx(1000.0 / (1.0 + 199.0 / 49.7))  # Caffe iteration 1
+    assert schedule.floor_step() == 49
     assert schedule(48) > 5.0
     assert schedule(49) == 5.0
     with pytest.raises(ValueError):
         LambdaSchedule().reaching_floor_at(0)
+
+
+def test_classifier_rows_start_near_unit_norm_as_caffe_xavier_gives() -> None:
+    # Caffe's xavier filler on a (10572, 512) blob: U(+-sqrt(3/512)), rows of norm ~1.0; PyTorch's
+    # xavier_uniform_ would give ~0.30 and an angular learning rate ~11x the authors'.
+    head = ASoftmaxHead(512, 10572, m=4)
+    norms = head.weight.detach().norm(dim=1)
+    assert norms.mean().item() == pytest.approx(1.0, abs=0.02)
+    bound = (3.0 / 512) ** 0.5
+    assert head.weight.abs().max().item() <= bound * (1 + 1e-6)
+    assert head.weight.abs().max().item() > 0.99 * bound
+
+
+def test_renormalise_puts_every_classifier_row_back_on_the_unit_sphere() -> None:
+    head = ASoftmaxHead(16, 7, m=4)
+    with torch.no_grad():
+        head.weight.mul_(torch.linspace(0.1, 3.0, 7).unsqueeze(1))
+    direction = F.normalize(head.weight.detach().clone(), dim=1)
+    features, labels = torch.randn(5, 16), torch.randint(0, 7, (5,))
+    before = head(features, labels, step=3).loss
+    head.renormalise_()
+    assert torch.allclose(head.weight.norm(dim=1), torch.ones(7), atol=1e-6)
+    assert torch.allclose(head.weight, direction, atol=1e-6)  # directions unchanged
+    assert torch.allclose(head(features, labels, step=3).loss, before, atol=1e-6)  # same loss

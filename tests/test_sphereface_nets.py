@@ -112,22 +112,26 @@ def test_residual_convs_are_bias_free_gaussian_0_01(nets: dict[int, SphereFaceNe
             assert abs(conv.weight.mean().item()) < 0.001
 
 
-def test_stage_opening_convs_have_zero_bias_and_xavier_weights(nets: dict[int, SphereFaceNet]) -> None:
+def _assert_caffe_xavier(weight: torch.Tensor) -> None:
+    """Caffe's xavier filler: U(±sqrt(3 / fan_in)), i.e. variance 1 / fan_in (not PyTorch's bound)."""
+    fan_in = weight[0].numel()
+    bound = (3.0 / fan_in) ** 0.5
+    assert weight.abs().max().item() <= bound * (1 + 1e-6)  # float32 rounding
+    assert weight.abs().max().item() > 0.95 * bound
+    assert weight.var().item() == pytest.approx(1.0 / fan_in, rel=0.1)
+
+
+def test_stage_opening_convs_have_zero_bias_and_caffe_xavier_weights(nets: dict[int, SphereFaceNet]) -> None:
     for stage in nets[20].stages:
         conv = stage.conv
         assert conv.stride == (2, 2)
         assert conv.bias is not None and torch.equal(conv.bias, torch.zeros_like(conv.bias))
-        fan_in = conv.in_channels * 9
-        fan_out = conv.out_channels * 9
-        bound = (6.0 / (fan_in + fan_out)) ** 0.5
-        assert conv.weight.abs().max().item() <= bound * (1 + 1e-6)  # float32 rounding
-        assert conv.weight.abs().max().item() > 0.9 * bound
+        _assert_caffe_xavier(conv.weight)
 
 
-def test_fc1_has_xavier_weights_and_zero_bias(nets: dict[int, SphereFaceNet]) -> None:
+def test_fc1_has_caffe_xavier_weights_and_zero_bias(nets: dict[int, SphereFaceNet]) -> None:
     fc1 = nets[4].fc1
-    bound = (6.0 / (fc1.in_features + fc1.out_features)) ** 0.5
-    assert fc1.weight.abs().max().item() <= bound * (1 + 1e-6)  # float32 rounding
+    _assert_caffe_xavier(fc1.weight)
     assert torch.equal(fc1.bias, torch.zeros_like(fc1.bias))
 
 

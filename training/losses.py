@@ -5,8 +5,9 @@ Every head is built as ``Head(embedding_size, num_classes, **options)`` and call
 loss over the batch (regulariser included), ``HeadOutput.logits`` (N, C) are the logits used for
 prediction (no margin: for angular heads ``||x|| cos(theta)``, so argmax is the class of smallest
 angle) and ``HeadOutput.extras`` holds logged numbers as python floats. The classifier weight is
-always ``head.weight`` of shape (C, D), Xavier-uniform initialised (as fc6 in the authors' Caffe
-model). Heads compute in float32 with autocast disabled, whatever the dtype of the features.
+always ``head.weight`` of shape (C, D), initialised by Caffe's ``xavier`` filler (as fc6 in the
+authors' Caffe model: rows of norm ≈ 1). Heads compute in float32 with autocast disabled,
+whatever the dtype of the features.
 
 Heads (``HEADS`` / :func:`build_head`):
 
@@ -42,6 +43,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models.nets.init import caffe_xavier_uniform_
 
 __all__ = [
     "HEADS",
@@ -133,11 +136,14 @@ def psi(c: Tensor, m: int) -> Tensor:
 
 @dataclass(frozen=True)
 class LambdaSchedule:
-    """Annealing weight ``lambda_t = max(minimum, base (1 + gamma t)^(-power))`` (SPEC §1.4).
+    """Annealing weight ``lambda = max(minimum, base (1 + gamma i)^(-power))`` (SPEC §1.4).
 
-    The defaults are the authors' Caffe values (``base=1000, gamma=0.12, power=1, minimum=5``):
-    lambda starts at 1000 (target logit ~ modified softmax) and reaches the floor 5 at step 1659.
-    ``t`` is the optimiser step (the Caffe layer increments it on every forward pass).
+    The defaults are the authors' Caffe values (``base=1000, gamma=0.12, power=1, minimum=5``).
+    ``i`` is Caffe's iteration counter, which ``MarginInnerProductLayer::Forward`` increments
+    *before* computing lambda: the first forward pass uses ``i = 1``. Called with the 0-based
+    optimiser step ``t``, the schedule therefore uses ``i = t + 1``: lambda is 892.86 at step 0,
+    454.5 at step 9, and first reaches the floor 5 at step 1658 (Caffe iteration 1659, about one
+    CASIA-WebFace epoch of batch 256).
     """
 
     base: float = 1000.0
@@ -146,31 +152,27 @@ class LambdaSchedule:
     minimum: float = 5.0
 
     def __call__(self, step: int) -> float:
-        """lambda at optimiser step ``step >= 0`` (a float >= ``minimum``)."""
-        return max(self.minimum, self.base * (1.0 + self.gamma * step) ** (-self.power))
+        """lambda at 0-based optimiser step ``step`` (a float >= ``minimum``)."""
+        iteration = step + 1  # Caffe increments its counter before the first lambda
+        return max(self.minimum, self.base * (1.0 + self.gamma * iteration) ** (-self.power))
 
-    def scaled(self, total_steps: int, reference_steps: int = 28000) -> LambdaSchedule:
-        """The same schedule stretched to a run of ``total_steps`` optimiser steps.
-
-        ``gamma`` is multiplied by ``reference_steps / total_steps``; since lambda depends on the
-        step only through ``gamma * t``, every value (in particular the floor) is then reached at
-        the same *fraction* of the run as in the reference run of ``reference_steps`` steps
-        (28,000 = ``max_iter`` of the authors' SphereFace solver).
-        """
-        if total_steps <= 0 or reference_steps <= 0:
-            raise ValueError("total_steps and reference_steps must be positive")
-        return replace(self, gamma=self.gamma * reference_steps / total_steps)
+    def floor_step(self) -> int:
+        """The first 0-based step at which lambda equals ``minimum`` (1658 for the defaults)."""
+        if self.minimum <= 0 or self.base <= self.minimum:
+            return 0
+        iteration = ((self.base / self.minimum) ** (1.0 / self.power) - 1.0) / self.gamma
+        return max(0, math.ceil(iteration - 1e-9) - 1)
 
     def reaching_floor_at(self, step: float) -> LambdaSchedule:
         """The same schedule with ``gamma`` chosen so that lambda reaches ``minimum`` at ``step``.
 
-        Solves ``base * (1 + gamma * step) ** -power = minimum``. Used to keep the softmax-like
-        warm phase a fixed number of epochs long (the papers' schedule reaches its floor after
-        about one CASIA-WebFace epoch) whatever the run's length.
+        Solves ``base * (1 + gamma * (step + 1)) ** -power = minimum``. An option for experiments
+        that want the softmax-like warm phase to last a given number of epochs; the papers' runs
+        use the unchanged schedule.
         """
         if step <= 0 or self.minimum <= 0 or self.base <= self.minimum:
             raise ValueError("need step > 0 and base > minimum > 0")
-        return replace(self, gamma=((self.base / self.minimum) ** (1.0 / self.power) - 1.0) / step)
+        return replace(self, gamma=((self.base / self.minimum) ** (1.0 / self.power) - 1.0) / (step + 1))
 
 
 DEFAULT_LAMBDA_SCHEDULE = LambdaSchedule()
@@ -187,7 +189,8 @@ def _lambda_at(schedule: LambdaLike, step: int) -> float:
 
 
 def _init_classifier(weight: Tensor) -> None:
-    nn.init.xavier_uniform_(weight)
+    """Caffe's ``xavier`` filler on the (C, D) classifier: U(±sqrt(3 / D)), rows of norm ≈ 1."""
+    caffe_xavier_uniform_(weight)
 
 
 def _autocast_off(tensor: Tensor) -> torch.autocast:
@@ -243,6 +246,16 @@ class ASoftmaxHead(nn.Module):
         self.lambda_schedule = lambda_schedule
         self.weight = nn.Parameter(torch.empty(num_classes, embedding_size))
         _init_classifier(self.weight)
+
+    @torch.no_grad()
+    def renormalise_(self) -> None:
+        """Scale every classifier row to unit norm in place (the trainer calls it after each step).
+
+        The authors' Caffe layer rescales its weight blob to unit rows on every forward pass, so
+        the classifier's angular step size does not grow as weight decay shrinks the rows. The
+        forward pass normalises anyway; this only keeps the stored parameter on the sphere.
+        """
+        self.weight.div_(self.weight.norm(dim=1, keepdim=True).clamp_min(1e-12))
 
     def _cosine_logits(self, features: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(``||x||`` (N, 1), ``cos(theta)`` (N, C) clamped to [-1, 1], ``||x|| cos(theta)`` (N, C))."""

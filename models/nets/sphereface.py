@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.nets.init import caffe_xavier_uniform_
+
 # Table 2.7: residual units in each of the four stages, keyed by the number of conv layers
 # (4 stage-opening convs + 2 per residual unit).
 SPHEREFACE_UNITS: dict[int, tuple[int, int, int, int]] = {
@@ -74,7 +76,7 @@ class SphereFaceStage(nn.Module):
         self.conv = nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1, bias=True)
         self.prelu = nn.PReLU(out_channels)
         self.units = nn.Sequential(*(ResidualUnit(out_channels) for _ in range(num_units)))
-        nn.init.xavier_uniform_(self.conv.weight)
+        caffe_xavier_uniform_(self.conv.weight)  # Caffe 'xavier': U(±sqrt(3 / fan_in))
         nn.init.zeros_(self.conv.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ class SphereFaceNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         height, width = FEATURE_MAP_SIZE
         self.fc1 = nn.Linear(in_channels * height * width, embedding_size)
-        nn.init.xavier_uniform_(self.fc1.weight)
+        caffe_xavier_uniform_(self.fc1.weight)
         nn.init.zeros_(self.fc1.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
