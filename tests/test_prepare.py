@@ -21,6 +21,7 @@ from training.prepare import (
     DatasetMismatchError,
     PreparedDataset,
     load_prepared,
+    load_training_set,
     prepare_dataset,
 )
 
@@ -322,3 +323,175 @@ def test_a_missing_or_empty_source_gives_a_typed_error(tmp_path):
 def test_loading_a_folder_without_a_manifest_says_to_prepare_first(tmp_path):
     with pytest.raises(DatasetError, match="sphereface prepare"):
         load_prepared(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Training sets from several prepared folders
+# --------------------------------------------------------------------------------------------
+
+# Photos (by index into each identity's sorted photos) of the first four identities in two
+# sources. Identity 1 is in both, with different photos: 2 + 1 = 3 faces, so only merging keeps
+# it at min_photos=3. Faces per identity over both sources: 1, 3, 3, 4.
+SOURCE_A = {0: [0], 1: [0, 1], 2: [0, 1, 2]}
+SOURCE_B = {1: [2], 3: [0, 1, 2, 3]}
+MERGED_COUNTS = [1, 3, 3, 4]
+
+
+def _copy_photos(celeba: Path, names: list[str], picks: dict[int, list[int]], root: Path) -> Path:
+    for index, chosen in picks.items():
+        (root / names[index]).mkdir(parents=True)
+        photos = _photos(celeba / names[index])
+        for i in chosen:
+            shutil.copy(photos[i], root / names[index] / photos[i].name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def four_identities(celeba: Path) -> list[str]:
+    return sorted(p.name for p in celeba.iterdir() if p.is_dir())[:4]
+
+
+@pytest.fixture(scope="module")
+def two_sources(celeba, four_identities, tmp_path_factory) -> tuple[PreparedDataset, PreparedDataset]:
+    root = tmp_path_factory.mktemp("two_sources")
+    prepared_sources = []
+    for key, picks in (("a", SOURCE_A), ("b", SOURCE_B)):
+        src = _copy_photos(celeba, four_identities, picks, root / f"src_{key}")
+        # Two photos per shard: several shards, some mixing identities.
+        dataset = prepare_dataset(src, root / f"out_{key}", workers=1, shard_size=2, progress=False)
+        # Every copied photo must have kept its face, or the counts below would not hold.
+        assert dataset.manifest["num_skipped"] == 0, dataset.manifest["skipped"]
+        prepared_sources.append(dataset)
+    return prepared_sources[0], prepared_sources[1]
+
+
+def _rows(dataset: PreparedDataset) -> tuple[list[str], np.ndarray]:
+    """Identity name and crop of every row, in shard order."""
+    images, labels = dataset.concatenate()
+    return [dataset.identities[label] for label in labels], images
+
+
+def _expected_rows(sources, keep: set[str]) -> tuple[list[str], np.ndarray]:
+    names, crops = [], []
+    for source in sources:
+        source_names, source_images = _rows(source)
+        for name, crop in zip(source_names, source_images, strict=True):
+            if name in keep:
+                names.append(name)
+                crops.append(crop)
+    return names, np.stack(crops)
+
+
+def test_two_folders_merge_a_shared_identity_into_one_class(two_sources, four_identities):
+    a, b = two_sources
+    result = load_training_set([a.path, str(b.path)])
+    assert result.identities == four_identities
+    assert result.num_classes == 4 and result.num_images == a.num_images + b.num_images == 11
+    assert result.manifest["identity_counts"] == dict(zip(four_identities, MERGED_COUNTS, strict=True))
+    assert result.manifest["merged_identities"] == [four_identities[1]]
+    # The shared identity has one label, used by rows of both sources.
+    _, labels = result.concatenate()
+    names, images = _rows(result)
+    assert names.count(four_identities[1]) == 3
+    assert {int(label) for label, name in zip(labels, names, strict=True) if name == four_identities[1]} == {
+        1
+    }
+    expected_names, expected_images = _expected_rows(two_sources, set(four_identities))
+    assert names == expected_names
+    np.testing.assert_array_equal(images, expected_images)
+    # Nothing was dropped, so every shard is still the source's memory map.
+    assert len(result.shards) == len(a.shards) + len(b.shards)
+    assert all(isinstance(shard_images, np.memmap) for shard_images, _ in result.shards)
+    manifest = result.manifest
+    assert [(s["num_images"], s["num_classes"]) for s in manifest["sources"]] == [(6, 3), (5, 2)]
+    assert manifest["sources"][1]["path"] == str(b.path.resolve())
+    assert manifest["min_photos"] == 1 and manifest["dropped_identities_min_photos"] == 0
+    assert result.path == a.path
+    # Sources in the other order: the same classes (sorted names), rows in source order.
+    reverse = load_training_set([b.path, a.path])
+    assert reverse.identities == four_identities and reverse.path == b.path
+    reverse_names, reverse_images = _rows(reverse)
+    expected_names, expected_images = _expected_rows([b, a], set(four_identities))
+    assert reverse_names == expected_names
+    np.testing.assert_array_equal(reverse_images, expected_images)
+
+
+@pytest.mark.parametrize("min_photos", [2, 3, 4])
+def test_min_photos_drops_exactly_the_identities_below_it(two_sources, four_identities, min_photos):
+    a, b = two_sources
+    result = load_training_set([a.path, b.path], min_photos=min_photos)
+    keep = [name for name, n in zip(four_identities, MERGED_COUNTS, strict=True) if n >= min_photos]
+    assert result.identities == keep
+    assert (four_identities[1] in keep) == (min_photos <= 3)  # kept only by merging at 3
+    assert result.num_classes == len(keep)
+    assert result.manifest["dropped_identities_min_photos"] == 4 - len(keep)
+    names, images = _rows(result)
+    expected_names, expected_images = _expected_rows(two_sources, set(keep))
+    assert names == expected_names
+    np.testing.assert_array_equal(images, expected_images)
+    _, labels = result.concatenate()
+    np.testing.assert_array_equal(np.unique(labels), np.arange(len(keep)))
+    counts = np.bincount(labels, minlength=len(keep)).tolist()
+    assert result.manifest["identity_counts"] == dict(zip(keep, counts, strict=True))
+    assert result.num_images == len(labels) == sum(counts)
+    # A shard stays a memory map exactly when it lost no rows; emptied shards are gone.
+    for (shard_images, _), entry in zip(result.shards, result.manifest["shards"], strict=True):
+        source = (a, b)[entry["source"]]
+        source_labels = source.shards[entry["shard"]][1]
+        kept_rows = sum(source.identities[label] in keep for label in source_labels)
+        assert entry["count"] == len(shard_images) == kept_rows > 0
+        assert entry["in_memory"] == (kept_rows < len(source_labels))
+        assert isinstance(shard_images, np.memmap) != entry["in_memory"]
+    if min_photos == 4:  # only identity 3 is left: all of source A's shards are omitted
+        assert {entry["source"] for entry in result.manifest["shards"]} == {1}
+        assert result.manifest["sources"][0]["num_images_kept"] == 0
+    text = result.summary()
+    assert f"{result.num_images:,} aligned 112x96 faces of {len(keep)} classes" in text
+    assert f"at least {min_photos} face(s)" in text
+
+
+def test_one_folder_with_min_photos_1_is_load_prepared(prepared):
+    plain = load_prepared(prepared.path)
+    for given in (prepared.path, str(prepared.path), [prepared.path]):
+        result = load_training_set(given)
+        assert type(result) is PreparedDataset
+        assert result.manifest == plain.manifest and result.identities == plain.identities
+        assert len(result.shards) == len(plain.shards)
+        for (images, labels), (plain_images, plain_labels) in zip(result.shards, plain.shards, strict=True):
+            assert isinstance(images, np.memmap) and images.filename == plain_images.filename
+            assert labels.dtype == np.int64
+            np.testing.assert_array_equal(labels, plain_labels)
+
+
+def test_one_folder_with_min_photos_drops_and_renumbers(two_sources, four_identities):
+    a, _ = two_sources
+    result = load_training_set(a.path, min_photos=2)
+    assert result.identities == four_identities[1:3]
+    _, labels = result.concatenate()
+    np.testing.assert_array_equal(labels, [0, 0, 1, 1, 1])
+    assert result.manifest["merged_identities"] == []
+    # Shard 0 held identities 0 and 1: read into memory with identity 1's row only.
+    assert [entry["in_memory"] for entry in result.manifest["shards"]] == [True, False, False]
+    names, images = _rows(result)
+    expected_names, expected_images = _expected_rows([a], set(four_identities[1:3]))
+    assert names == expected_names
+    np.testing.assert_array_equal(images, expected_images)
+
+
+def test_training_set_errors_are_clear(two_sources, tmp_path):
+    a, b = two_sources
+    with pytest.raises(DatasetError, match="no prepared folders given"):
+        load_training_set([])
+    with pytest.raises(DatasetError, match="sphereface prepare") as info:
+        load_training_set([a.path, tmp_path])
+    assert str(tmp_path) in info.value.message
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(DatasetError, match="min_photos"):
+            load_training_set(a.path, min_photos=bad)
+    with pytest.raises(DatasetError, match="given twice"):
+        load_training_set([a.path, b.path, Path(str(a.path) + "/.")])
+    with pytest.raises(DatasetError) as info:
+        load_training_set([a.path, b.path], min_photos=5)
+    message = info.value.message
+    assert "no identity has 5 or more faces" in message
+    assert "its 4 identities have at most 4 faces each (1 with 4, 2 with 3, 1 with 1)" in message

@@ -23,6 +23,9 @@ photos, in order. A shard is written to temporary names and moved into place wit
 re-run redoes only the shards without a meta file. Labels are contiguous ``0..C-1`` over the
 identities that kept at least one face (they are re-mapped when an identity loses all its
 photos), and the manifest says which identity each label is.
+
+:func:`load_training_set` combines several prepared folders into one training set, merging
+identities by folder name and keeping those with at least ``min_photos`` faces.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import numbers
 import os
 import re
 import time
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_NAME = "sphereface_prepared"
 FORMAT_VERSION = 1
+TRAINING_SET_KIND = "training_set"
 MANIFEST_FILE = "manifest.json"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 TEMPLATE = SPHEREFACE_TEMPLATE_112x96
@@ -82,8 +87,9 @@ class PreparedDataset:
     """A prepared folder, loaded.
 
     Attributes:
-        path: the folder.
-        manifest: ``manifest.json`` as a dict.
+        path: the folder (for a combined training set: its first source folder).
+        manifest: ``manifest.json`` as a dict (for a combined training set: a synthesized dict
+            with ``"kind": "training_set"``, see :func:`load_training_set`).
         identities: kept identity names; label ``i`` is ``identities[i]``.
         num_classes: ``len(identities)``.
         num_images: number of aligned crops over all shards.
@@ -136,7 +142,10 @@ class PreparedDataset:
 
 
 def summary(manifest: dict[str, Any]) -> str:
-    """A one-paragraph human description of a prepared folder's manifest."""
+    """A one-paragraph human description of a prepared folder's manifest, or of the synthesized
+    manifest of a training set from :func:`load_training_set`."""
+    if manifest.get("kind") == TRAINING_SET_KIND:
+        return _training_set_summary(manifest)
     skipped = manifest.get("skipped_by_reason", {})
     n_skipped = sum(skipped.values())
     if skipped:
@@ -218,6 +227,186 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
         raise DatasetError(f"{path} is missing; prepare the dataset again") from None
     except (OSError, ValueError) as exc:
         raise DatasetError(f"cannot read {path}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Training on several prepared folders
+# --------------------------------------------------------------------------------------------
+
+
+def load_training_set(paths: str | Path | Sequence[str | Path], min_photos: int = 1) -> PreparedDataset:
+    """One training set from one or more prepared folders, keeping identities with enough faces.
+
+    Identities are merged by folder name across the sources: the same name in two folders is one
+    person and one class (the CelebA folders share identity numbers). Identities with fewer than
+    ``min_photos`` aligned faces, counted over all sources, are dropped. Labels are re-numbered
+    ``0..C-1`` over the kept identities in sorted name order (the order :func:`prepare_dataset`
+    uses), so ``identities[i]`` names label ``i``.
+
+    Shards are taken in source order, then shard order. A shard whose rows are all kept keeps its
+    memory-mapped images (only its labels, a small in-memory int64 array, are re-mapped); a shard
+    that lost rows is read into memory with only the kept rows; a shard left with no rows is
+    omitted.
+
+    With a single path and ``min_photos=1`` this is exactly :func:`load_prepared` (the folder's own
+    manifest, shards and labels). Otherwise the result's ``manifest`` is synthesized (``"kind":
+    "training_set"``): ``sources`` (per folder: path, photo source, num_images, num_classes and
+    how many of each were kept), ``min_photos``, ``num_images``, ``num_classes``, ``identities``,
+    ``identity_counts``, ``dropped_identities_min_photos`` (a count), ``dropped_images_min_photos``,
+    ``merged_identities`` (kept names found in more than one source) and ``shards`` (per kept
+    shard: source index, shard index, count, whether it was read into memory). ``path`` is the
+    first source folder; ``last_run`` is None.
+
+    Args:
+        paths: a prepared folder, or a sequence of them (each given once).
+        min_photos: the fewest faces an identity needs to be kept (at least 1).
+
+    Raises:
+        DatasetError: no paths, a path given twice, a path that is not a complete prepared folder
+            (the errors of :func:`load_prepared`), sources prepared with different templates,
+            ``min_photos`` below 1 or not an integer, or no identity with ``min_photos`` faces.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise DatasetError("no prepared folders given: pass at least one folder made by `sphereface prepare`")
+    if isinstance(min_photos, bool) or not isinstance(min_photos, numbers.Integral):
+        raise DatasetError(f"min_photos must be a whole number of photos, got {min_photos!r}")
+    min_photos = int(min_photos)
+    if min_photos < 1:
+        raise DatasetError(f"min_photos must be at least 1, got {min_photos}")
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        resolved = path.resolve()
+        if resolved in seen:
+            raise DatasetError(
+                f"the prepared folder {path} is given twice (also as {seen[resolved]}); its photos "
+                "would count twice"
+            )
+        seen[resolved] = path
+    if len(paths) == 1 and min_photos == 1:
+        return load_prepared(paths[0])
+
+    sources = [load_prepared(path) for path in paths]
+    templates = [f"{source.path}: {source.manifest.get('template')}" for source in sources]
+    if len({source.manifest.get("template") for source in sources}) > 1:
+        raise DatasetError(
+            f"the prepared folders were aligned to different templates ({', '.join(templates)}); "
+            "prepare them alike"
+        )
+
+    # Faces per identity name, per source and in total, counted from the labels themselves.
+    per_source: list[np.ndarray] = []
+    totals: Counter[str] = Counter()
+    in_sources: Counter[str] = Counter()
+    for source in sources:
+        counts = np.zeros(source.num_classes, dtype=np.int64)
+        for _, labels in source.shards:
+            if len(labels) and (labels.min() < 0 or labels.max() >= source.num_classes):
+                raise DatasetError(
+                    f"{source.path} has labels outside 0..{source.num_classes - 1}; prepare it again"
+                )
+            counts += np.bincount(labels, minlength=source.num_classes)
+        per_source.append(counts)
+        for name, count in zip(source.identities, counts.tolist(), strict=True):
+            if count > 0:
+                totals[name] += count
+                in_sources[name] += 1
+    kept = sorted(name for name, count in totals.items() if count >= min_photos)
+    if not kept:
+        raise DatasetError(_nothing_left_message(paths, totals, min_photos))
+    label_of = {name: i for i, name in enumerate(kept)}
+
+    shards: list[tuple[np.ndarray, np.ndarray]] = []
+    shard_entries: list[dict[str, Any]] = []
+    source_entries: list[dict[str, Any]] = []
+    for s, source in enumerate(sources):
+        mapping = np.asarray([label_of.get(name, -1) for name in source.identities], dtype=np.int64)
+        images_kept = 0
+        for k, (images, labels) in enumerate(source.shards):
+            new_labels = mapping[labels]
+            keep = new_labels >= 0
+            n = int(keep.sum())
+            if n == 0:
+                continue
+            in_memory = n < len(labels)
+            if in_memory:
+                images = np.ascontiguousarray(images[keep])
+                new_labels = new_labels[keep]
+            shards.append((images, np.ascontiguousarray(new_labels, dtype=np.int64)))
+            entry = source.manifest["shards"][k]
+            shard_entries.append(
+                {"source": s, "shard": k, "images": entry["images"], "count": n, "in_memory": in_memory}
+            )
+            images_kept += n
+        source_entries.append(
+            {
+                "path": str(source.path.resolve()),
+                "source": source.manifest.get("source"),
+                "num_images": source.num_images,
+                "num_classes": source.num_classes,
+                "num_images_kept": images_kept,
+                "num_classes_kept": sum(1 for name in source.identities if name in label_of),
+            }
+        )
+
+    first = sources[0].manifest
+    num_images = sum(len(labels) for _, labels in shards)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "kind": TRAINING_SET_KIND,
+        "sources": source_entries,
+        "min_photos": min_photos,
+        "template": first.get("template"),
+        "image_shape": list(IMAGE_SHAPE),
+        "image_dtype": "uint8",
+        "label_dtype": "int64",
+        "color": first.get("color", "RGB"),
+        "num_images": num_images,
+        "num_classes": len(kept),
+        "identities": kept,
+        "identity_counts": {name: totals[name] for name in kept},
+        "dropped_identities_min_photos": len(totals) - len(kept),
+        "dropped_images_min_photos": sum(totals.values()) - num_images,
+        "merged_identities": [name for name in kept if in_sources[name] > 1],
+        "shards": shard_entries,
+    }
+    return PreparedDataset(paths[0], manifest, shards)
+
+
+def _nothing_left_message(paths: Sequence[Path], totals: Counter[str], min_photos: int) -> str:
+    where = f"{paths[0]}" if len(paths) == 1 else f"the {len(paths)} prepared folders"
+    if not totals:
+        return f"{where} hold no aligned faces at all; nothing to train on"
+    by_count = sorted(Counter(totals.values()).items(), reverse=True)
+    shown = ", ".join(f"{n:,} with {count}" for count, n in by_count[:6])
+    more = f", {sum(n for _, n in by_count[6:]):,} with fewer" if len(by_count) > 6 else ""
+    return (
+        f"no identity has {min_photos} or more faces in {where}: its {len(totals):,} identities have "
+        f"at most {by_count[0][0]} faces each ({shown}{more}); lower min_photos"
+    )
+
+
+def _training_set_summary(manifest: dict[str, Any]) -> str:
+    sources = manifest["sources"]
+    parts = "; ".join(
+        f"{entry['path']}: {entry['num_images_kept']:,} of {entry['num_images']:,} faces, "
+        f"{entry['num_classes_kept']:,} of {entry['num_classes']:,} identities"
+        for entry in sources
+    )
+    merged = len(manifest["merged_identities"])
+    in_memory = sum(1 for entry in manifest["shards"] if entry["in_memory"])
+    height, width = manifest["image_shape"][:2]
+    return (
+        f"Training set of {manifest['num_images']:,} aligned {height}x{width} faces of "
+        f"{manifest['num_classes']:,} classes from {len(sources)} prepared folder(s) ({parts}); "
+        f"identities merged across folders by name: {merged:,}; kept identities with at least "
+        f"{manifest['min_photos']} face(s), dropping {manifest['dropped_identities_min_photos']:,} "
+        f"identities ({manifest['dropped_images_min_photos']:,} faces); {len(manifest['shards'])} shard(s), "
+        f"{in_memory} of them read into memory for the dropped rows."
+    )
 
 
 # --------------------------------------------------------------------------------------------
