@@ -4,6 +4,7 @@ and the in-process indexes (VectorIndex, LiveIndex kept in sync by several worke
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -145,10 +146,13 @@ def test_create_subject_with_given_and_generated_id(store: GalleryStore):
     assert store.get_subject("alice.smith") == alice
 
     generated = store.create_subject()
-    assert len(generated.id) == 16 and int(generated.id, 16) >= 0
+    # A generated id is 8 random bytes as 16 lowercase hex digits (a valid subject id), fresh each time.
+    assert re.fullmatch(r"[0-9a-f]{16}", generated.id), generated.id
     fetched = store.get_subject(generated.id)
     assert fetched.name is None and fetched.metadata == {}
-    assert store.create_subject().id != generated.id
+    more = [store.create_subject().id for _ in range(200)]
+    assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in more), more
+    assert len(set(more) | {generated.id}) == 201
     assert store.revision() == 0  # subjects alone change no face: nothing for the indexes
 
 

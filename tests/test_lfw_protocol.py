@@ -181,16 +181,27 @@ def test_vectorised_protocol_matches_the_literal_implementation():
     assert result.std == pytest.approx(np.std(accuracies, ddof=1))
 
 
-def test_protocol_on_lfw_sized_input_is_fast():
-    import time
-
+def test_protocol_on_lfw_sized_input_equals_the_literal_implementation():
+    """6,000 pairs in 10 folds of 300 + 300, 256-d float32 features as the embedder gives: the
+    vectorised protocol (sorted scores, binary search) gives exactly the fold accuracies and
+    thresholds of the literal G x N comparison, and the accuracy the features' signal implies."""
     rng = np.random.default_rng(5)
     is_same, folds = _folds(10, 300)
-    left = rng.normal(size=(6000, 256)).astype(np.float32)
-    right = rng.normal(size=(6000, 256)).astype(np.float32)
-    started = time.perf_counter()
-    lfw_10fold_accuracy(left, right, is_same, folds)
-    assert time.perf_counter() - started < 2.0
+    left = (rng.normal(size=(6000, 256)) + 0.5).astype(np.float32)
+    right = (rng.normal(size=(6000, 256)) + 0.5).astype(np.float32)
+    right[is_same] = left[is_same] + 5.0 * rng.normal(size=(int(is_same.sum()), 256)).astype(np.float32)
+    result = lfw_10fold_accuracy(left, right, is_same, folds)
+    accuracies, thresholds = _naive_protocol(
+        left.astype(np.float64), right.astype(np.float64), is_same, folds
+    )
+    np.testing.assert_allclose(result.fold_accuracies, accuracies, atol=1e-12)
+    np.testing.assert_allclose(result.fold_thresholds, thresholds, atol=1e-12)
+    assert result.accuracy == pytest.approx(accuracies.mean(), abs=1e-12)
+    # After centring, same pairs have a cosine of about 1/sqrt(1 + 5^2) = 0.196 and different
+    # pairs about 0, both with a spread of about 1/sqrt(256) = 0.0625: the best threshold is near
+    # 0.098, 1.57 spreads from each mean, so about Phi(1.57) = 94% of the pairs are right.
+    assert result.accuracy == pytest.approx(0.94, abs=0.015)
+    assert result.threshold == pytest.approx(0.098, abs=0.03)
 
 
 def test_protocol_rejects_mismatched_inputs():
@@ -534,3 +545,99 @@ def test_cosine_protocol_scores_pairs_as_the_service_does_without_the_mean():
         expected.append(verification_accuracy(cosine[folds == k], is_same[folds == k], threshold))
     assert raw.accuracy == pytest.approx(np.mean(expected))
     assert centred.accuracy > raw.accuracy + 0.05  # the offset hides the signal from the raw cosine
+
+
+# --- aligned crops for training and export: landmarks from the file or from our MTCNN -------------
+
+
+def test_aligned_lfw_crops_rejects_an_unknown_landmarks_mode(tmp_path):
+    from training.lfw import aligned_lfw_crops
+
+    with pytest.raises(ValueError, match=r"landmarks must be one of \('file', 'detect'\), got 'dlib'"):
+        aligned_lfw_crops(tmp_path, landmarks="dlib")
+
+
+def test_detected_landmarks_key_changes_with_the_images_and_the_detector(tmp_path):
+    import os
+
+    from training.lfw import detected_landmarks_key
+
+    for name in ("A/A_0001.jpg", "B/B_0001.jpg"):
+        (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "images" / name).write_bytes(b"jpeg")
+    names = ["A/A_0001.jpg", "B/B_0001.jpg"]
+    key = detected_landmarks_key(tmp_path, names)
+    assert key == detected_landmarks_key(tmp_path, list(names))
+    assert key["lfw_dir"] == str(tmp_path.resolve())
+    assert detected_landmarks_key(tmp_path, names[:1]) != key  # another image list
+    os.utime(tmp_path / "images" / names[1], ns=(1, 1))  # a photo replaced in place
+    touched = detected_landmarks_key(tmp_path, names)
+    assert touched["images_sha256"] != key["images_sha256"]
+    detector = key["detector"]
+    assert detector["provider"] == "CPUExecutionProvider"
+    assert detector["settings"]["min_face_size"] == 20.0 and len(detector["settings"]["thresholds"]) == 3
+    assert set(detector["weights_sha256"]) == {"pnet", "rnet", "onet"}
+    assert detected_landmarks_key(tmp_path, names, providers="cuda")["detector"] != detector
+
+
+@pytest.mark.shared_data
+def test_detect_mode_crops_are_our_mtcnn_alignment_and_cached_per_key(lfw_dir, tmp_path, monkeypatch):
+    """``aligned_lfw_crops(landmarks="detect")``: the crops of aligning with
+    detect_central_landmarks directly; a second call is served from the cache without a detector;
+    another pairs subset or a cache file with another key is detected again, never served stale."""
+    import training.lfw as lfw
+    from models.align import SPHEREFACE_TEMPLATE_112x96, align_face
+    from models.image import read_image
+    from models.mtcnn import MTCNNDetector
+
+    made: list[object] = []
+    make_detector = lfw._make_detector
+
+    def counting(providers, workers):
+        made.append(providers)
+        return make_detector(providers, workers)
+
+    monkeypatch.setattr(lfw, "_make_detector", counting)
+    cache = tmp_path / "cache"
+    detector = MTCNNDetector(intra_op_threads=1)
+
+    def direct(names, shift=0.0):
+        crops = []
+        for name in names:
+            image = read_image(lfw_dir / "images" / name)
+            points, _ = lfw.detect_central_landmarks(detector, image)
+            crops.append(align_face(image, points + shift, SPHEREFACE_TEMPLATE_112x96))
+        return np.stack(crops)
+
+    crops, names, pairs = lfw.aligned_lfw_crops(lfw_dir, 2, landmarks="detect", cache_dir=cache)
+    assert len(made) == 1
+    assert names == pairs.images() and len(pairs) == 20 and crops.shape == (len(names), 112, 96, 3)
+    np.testing.assert_array_equal(crops, direct(names))
+    file_crops, file_names, _ = lfw.aligned_lfw_crops(lfw_dir, 2, landmarks="file")
+    assert file_names == names and not np.array_equal(file_crops, crops)  # the ~1 px apart source
+    (cached,) = cache.glob("*.npz")
+
+    again, again_names, _ = lfw.aligned_lfw_crops(lfw_dir, 2, landmarks="detect", cache_dir=cache)
+    assert len(made) == 1 and again_names == names
+    np.testing.assert_array_equal(again, crops)
+    # What is served is the file's content: landmarks moved 3 px right in the cache move the crops.
+    with np.load(cached) as data:
+        content = {k: data[k] for k in data.files}
+    np.savez(cached, **{**content, "landmarks": content["landmarks"] + [3.0, 0.0]})
+    shifted, _, _ = lfw.aligned_lfw_crops(lfw_dir, 2, landmarks="detect", cache_dir=cache)
+    assert len(made) == 1
+    np.testing.assert_array_equal(shifted, direct(names, np.array([3.0, 0.0])))
+
+    # Another image list is another key: detected again, in a second file.
+    wider, wider_names, _ = lfw.aligned_lfw_crops(lfw_dir, 4, landmarks="detect", cache_dir=cache)
+    assert len(made) == 2 and len(set(wider_names) - set(names)) > 0
+    assert len(list(cache.glob("*.npz"))) == 2
+    np.testing.assert_array_equal(wider, direct(wider_names))
+    # A file under the right name whose stored key differs (e.g. written by other detector
+    # settings) is not trusted: detected again and rewritten.
+    np.savez(cached, **{**content, "key": np.array('{"detector": "another"}')})
+    fresh, _, _ = lfw.aligned_lfw_crops(lfw_dir, 2, landmarks="detect", cache_dir=cache)
+    assert len(made) == 3
+    np.testing.assert_array_equal(fresh, crops)
+    with np.load(cached) as data:
+        assert str(data["key"]) == str(content["key"])

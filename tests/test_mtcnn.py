@@ -98,16 +98,27 @@ def test_exif_rotated_photo_gives_the_same_face(detector, photos_dir):
 
 @pytest.mark.shared_data
 def test_landmarks_agree_with_the_lfw_landmark_file(detector, lfw_dir):
+    """Our landmarks against landmarks.txt on 100 LFW photos: the mean error and the systematic
+    shift. Measured on this sample: mean error 1.92 px, mean offset ours minus file
+    (+0.84, +0.86) px (the file's integer landmarks explain about +0.5 px; docs/face_path.md),
+    per-image offsets spread 0.75 px (standard error 0.08 px). The tolerances (0.2 px) are far
+    above numerical noise and well below a 1 px regression of the landmark placement."""
     rows = (lfw_dir / "landmarks.txt").read_text().splitlines()[::130][:100]
-    errors = []
+    predicted, references = [], []
     for row in rows:
         name, *coords = row.split("\t")
-        reference = np.asarray(coords, dtype=float).reshape(5, 2)
         image = read_image(lfw_dir / "images" / name)
         faces = select_faces(detector.detect(image), "central", image.shape)
         assert faces, f"no face found in {name}"
-        errors.append(np.linalg.norm(faces[0].landmarks - reference, axis=1).mean())
-    assert np.mean(errors) < 3.0
+        predicted.append(faces[0].landmarks)
+        references.append(np.asarray(coords, dtype=float).reshape(5, 2))
+    difference = np.asarray(predicted) - np.asarray(references)  # (100, 5, 2)
+    assert difference.shape == (100, 5, 2)
+    mean_error = np.linalg.norm(difference, axis=2).mean()
+    offset_x, offset_y = difference.reshape(-1, 2).mean(axis=0)
+    assert mean_error == pytest.approx(1.92, abs=0.2)
+    assert offset_x == pytest.approx(0.84, abs=0.2)
+    assert offset_y == pytest.approx(0.86, abs=0.2)
 
 
 def test_blank_image_has_no_face(detector):

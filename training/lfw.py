@@ -19,9 +19,11 @@ separately on the cosine the service returns: L2-normalised fused features, no m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -918,25 +920,190 @@ def identity_of(name: str) -> str:
     return name.split("/", 1)[0]
 
 
+#: Bump when the meaning of a cached landmark file changes in a way no other key part captures.
+LANDMARK_CACHE_VERSION = 1
+
+
+def default_landmark_cache_dir() -> Path:
+    """``$SPHEREFACE_CACHE/lfw_landmarks`` (default ``.cache/lfw_landmarks``)."""
+    return Path(os.environ.get("SPHEREFACE_CACHE", ".cache")) / "lfw_landmarks"
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _detector_key(providers: str | Sequence[str]) -> dict[str, Any]:
+    """Everything that decides the landmarks :func:`_make_detector` + :func:`detect_central_landmarks`
+    place: the detector's settings (its constructor's defaults, which ``_make_detector`` keeps),
+    the execution provider, the MTCNN weights' and code's content, the face policy's code and the
+    ONNX Runtime version."""
+    import inspect
+
+    import onnxruntime
+
+    from models import mtcnn
+    from models.mtcnn_convert import DEFAULT_MTCNN_DIR
+    from models.runtime import resolve_providers
+
+    settings = {
+        name: list(p.default) if isinstance(p.default, tuple) else p.default
+        for name, p in inspect.signature(mtcnn.MTCNNDetector.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty and name not in ("providers", "intra_op_threads")
+    }
+    policy = inspect.getsource(detect_central_landmarks) + inspect.getsource(central_box)
+    return {
+        "settings": settings,
+        "provider": resolve_providers(providers)[0],
+        "weights_sha256": {
+            n: _sha256_bytes((DEFAULT_MTCNN_DIR / f"{n}.onnx").read_bytes()) for n in ("pnet", "rnet", "onet")
+        },
+        "mtcnn_code_sha256": _sha256_bytes(Path(mtcnn.__file__).read_bytes()),
+        "policy_code_sha256": _sha256_bytes(policy.encode()),
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def detected_landmarks_key(
+    data_dir: str | Path, names: Sequence[str], providers: str | Sequence[str] = "cpu"
+) -> dict[str, Any]:
+    """The cache key of :func:`detected_lfw_landmarks`: the LFW folder's resolved path, the image
+    names with each file's size and modification time, and :func:`_detector_key`."""
+    images = Path(data_dir).resolve() / IMAGES_DIR
+    listing = hashlib.sha256()
+    for name in names:
+        stat = (images / name).stat()
+        listing.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {
+        "version": LANDMARK_CACHE_VERSION,
+        "lfw_dir": str(Path(data_dir).resolve()),
+        "n_images": len(names),
+        "images_sha256": listing.hexdigest(),
+        "detector": _detector_key(providers),
+    }
+
+
+def _load_landmark_cache(
+    path: Path, key_json: str, names: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if str(data["key"]) != key_json or data["names"].tolist() != list(names):
+                log.warning("LFW landmark cache %s has another key; detecting again", path)
+                return None
+            points, found = data["landmarks"], data["found"]
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("LFW landmark cache %s is unreadable (%s); detecting again", path, exc)
+        return None
+    if points.shape != (len(names), 5, 2) or found.shape != (len(names),):
+        return None
+    return points.astype(np.float64), found.astype(bool)
+
+
+def _save_landmark_cache(
+    path: Path, key_json: str, names: Sequence[str], points: np.ndarray, found: np.ndarray
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as f:
+        np.savez(f, key=np.array(key_json), names=np.array(list(names)), landmarks=points, found=found)
+    os.replace(temporary, path)
+
+
+def detected_lfw_landmarks(
+    data_dir: str | Path,
+    names: Sequence[str],
+    *,
+    cache_dir: str | Path | None = None,
+    providers: str | Sequence[str] = "cpu",
+    workers: int = 2,
+    progress: bool = False,
+) -> tuple[np.ndarray, np.ndarray, Path]:
+    """Our MTCNN's landmarks of LFW images, as :func:`run_lfw_evaluation`'s detect mode places them.
+
+    :func:`detect_central_landmarks` (face nearest the centre; O-Net in :func:`central_box` when
+    no face is found) with the detector of :func:`_make_detector`, on the images ``names``
+    (relative to ``images/``). The result is cached in ``cache_dir`` (default
+    :func:`default_landmark_cache_dir`) as ``<key digest>.npz``; the key
+    (:func:`detected_landmarks_key`) covers the folder, the images and the detector, and is
+    checked in full on load, so a changed input is detected again rather than served stale.
+
+    Returns:
+        ``(n, 5, 2)`` float64 landmarks, ``(n,)`` found flags (False: the central-box fallback)
+        and the cache file's path.
+    """
+    from models.image import read_image
+
+    data_dir = Path(data_dir)
+    key_json = json.dumps(detected_landmarks_key(data_dir, names, providers), sort_keys=True)
+    folder = Path(cache_dir) if cache_dir is not None else default_landmark_cache_dir()
+    path = folder / f"{_sha256_bytes(key_json.encode())[:24]}.npz"
+    started = time.perf_counter()
+    cached = _load_landmark_cache(path, key_json, names)
+    if cached is not None:
+        log.info(
+            "LFW landmarks of %d images loaded from %s in %.2f s",
+            len(names),
+            path,
+            time.perf_counter() - started,
+        )
+        return cached[0], cached[1], path
+
+    detector = _make_detector(providers, workers)
+
+    def work(name: str) -> tuple[np.ndarray, bool]:
+        return detect_central_landmarks(detector, read_image(data_dir / IMAGES_DIR / name))
+
+    points = np.empty((len(names), 5, 2), dtype=np.float64)
+    found = np.empty(len(names), dtype=bool)
+    stream = _ordered_map(work, names, workers, window=4 * max(workers, 1))
+    for i, (p, ok) in enumerate(_progress(stream, len(names), "detect LFW", progress)):
+        points[i], found[i] = p, ok
+    _save_landmark_cache(path, key_json, names, points, found)
+    log.info(
+        "LFW landmarks of %d images detected in %.1f s (%d without a face), cached in %s",
+        len(names), time.perf_counter() - started, int((~found).sum()), path,
+    )  # fmt: skip
+    return points, found, path
+
+
 def aligned_lfw_crops(
     data_dir: str | Path,
     pairs_per_fold: int | None = None,
     *,
+    landmarks: str = "file",
     workers: int = 2,
     progress: bool = False,
+    cache_dir: str | Path | None = None,
+    providers: str | Sequence[str] = "cpu",
 ) -> tuple[np.ndarray, list[str], LFWPairs]:
-    """Every image of the LFW pairs, aligned with ``landmarks.txt`` onto the SphereFace template.
+    """Every image of the LFW pairs, aligned onto the SphereFace template, without a model.
 
-    This is the ``--landmarks file`` path of :func:`run_lfw_evaluation`, without a model: the
-    trainer's periodic LFW check embeds these crops with the network being trained.
+    The crops of :func:`run_lfw_evaluation` for the trainer's periodic LFW check, which embeds
+    them with the network being trained.
+
+    Args:
+        landmarks: ``"file"``: ``landmarks.txt``; ``"detect"``: our MTCNN, exactly as the
+            evaluation's detect mode and ``sphereface prepare`` (which aligns the training data)
+            place them, through :func:`detected_lfw_landmarks` and its cache in ``cache_dir``.
+            The two sources differ by about 1 px (docs/face_path.md): compare a model on crops
+            from the source it was trained on.
+        providers: execution providers of the detector (detect mode; part of the cache key).
 
     Returns:
         ``crops`` ``(n_images, 112, 96, 3)`` uint8 RGB, ``names`` (sorted, relative to images/) and
         the pairs (subset to ``pairs_per_fold`` when given).
+
+    Raises:
+        ValueError: ``landmarks`` is not one of :data:`LANDMARK_MODES`.
     """
     from models.align import SPHEREFACE_TEMPLATE_112x96, align_face
     from models.image import read_image
 
+    if landmarks not in LANDMARK_MODES:
+        raise ValueError(f"landmarks must be one of {LANDMARK_MODES}, got {landmarks!r}")
     data_dir = Path(data_dir)
     if not (data_dir / IMAGES_DIR).is_dir():
         raise LFWDataError(f"{data_dir} is not an LFW folder: {data_dir / IMAGES_DIR} is missing")
@@ -944,12 +1111,18 @@ def aligned_lfw_crops(
     if pairs_per_fold is not None:
         pairs = pairs.subset(pairs_per_fold)
     names = pairs.images()
-    reference = read_landmarks(data_dir / LANDMARKS_FILE)
-    missing = [n for n in names if n not in reference]
-    if missing:
-        raise LFWDataError(
-            f"{data_dir / LANDMARKS_FILE} has no landmarks for {len(missing)} images, e.g. {missing[0]}"
+    if landmarks == "file":
+        reference = read_landmarks(data_dir / LANDMARKS_FILE)
+        missing = [n for n in names if n not in reference]
+        if missing:
+            raise LFWDataError(
+                f"{data_dir / LANDMARKS_FILE} has no landmarks for {len(missing)} images, e.g. {missing[0]}"
+            )
+    else:
+        points, _, _ = detected_lfw_landmarks(
+            data_dir, names, cache_dir=cache_dir, providers=providers, workers=workers, progress=progress
         )
+        reference = dict(zip(names, points, strict=True))
     template = SPHEREFACE_TEMPLATE_112x96
 
     def work(name: str) -> np.ndarray:
