@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,23 +120,99 @@ def test_device_resident_loader_rejects_a_dataset_smaller_than_a_batch():
         DeviceResidentLoader(images, labels, 8, "cpu")
 
 
-def test_streaming_loader_yields_every_label_of_its_shards():
-    images, labels = _toy_faces(48)
-    shards = [(images[:24], labels[:24]), (images[24:], labels[24:])]
-    loader = StreamingLoader(shards, 8, "cpu", flip=True, window=1, prefetch=2)
+def _identity_ordered_shards(
+    classes: int, per_class: int, shard_size: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A CASIA-like set in miniature: faces of one identity together, shards cut in that order
+    (what ``sphereface prepare`` writes); 4x4 images keep it small."""
+    labels = np.repeat(np.arange(classes), per_class)
+    images = (np.arange(len(labels))[:, None, None, None] % 251).astype(np.uint8) * np.ones(
+        (1, 4, 4, 3), np.uint8
+    )
+    return [
+        (images[a : a + shard_size], labels[a : a + shard_size]) for a in range(0, len(labels), shard_size)
+    ]
+
+
+def _take(loader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     batches = iter(loader)
-    got = [next(batches) for _ in range(6)]  # one epoch: 2 shards x 3 batches
-    all_labels = torch.cat([y for _, y in got]).numpy()
-    assert sorted(all_labels.tolist()) == sorted(labels.tolist())
-    assert all(x.shape == (8, 3, 112, 96) for x, _ in got)
-    batches.close()
+    out = [next(batches) for _ in range(n)]
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+    return out
 
 
-def test_streaming_loader_reports_shards_too_small_for_a_batch():
+def test_streaming_loader_gives_the_same_batches_as_the_device_loader():
+    shards = _identity_ordered_shards(classes=30, per_class=8, shard_size=64)
+    images = np.concatenate([x for x, _ in shards])
+    labels = np.concatenate([y for _, y in shards])
+    options = {"flip": True, "seed": 5, "rank": 1, "world_size": 2}
+    streamed = _take(StreamingLoader(shards, 16, "cpu", prefetch=2, **options), 17)  # past an epoch
+    resident = _take(DeviceResidentLoader(images, labels, 16, "cpu", **options), 17)
+    for (xs, ys), (xd, yd) in zip(streamed, resident, strict=True):
+        assert torch.equal(ys, yd) and torch.equal(xs, xd)
+
+
+@pytest.mark.parametrize("kind", ["stream", "device"])
+def test_batches_cover_identities_like_uniform_sampling_on_identity_ordered_shards(kind):
+    # 3,000 identities x 8 faces in identity order, 3 shards: 64 batches of 64 should meet as many
+    # identities as 4,096 faces drawn uniformly without replacement (expected 2,329), not the
+    # identities of one or two shards.
+    classes, per_class, draws = 3000, 8, 64 * 64
+    shards = _identity_ordered_shards(classes, per_class, shard_size=8192)
+    if kind == "stream":
+        loader = StreamingLoader(shards, 64, "cpu", flip=False, seed=0)
+    else:
+        loader = DeviceResidentLoader.from_shards(shards, 64, "cpu", flip=False, seed=0)
+    seen = torch.cat([y for _, y in _take(loader, 64)]).unique().numel()
+    n = classes * per_class
+    expected = classes * (1 - math.comb(n - per_class, draws) / math.comb(n, draws))
+    assert seen == pytest.approx(expected, rel=0.03)
+
+
+def test_ranks_get_disjoint_equal_shares_of_every_epoch():
+    from training.data import epoch_order
+
+    shares = [epoch_order(1001, seed=3, epoch=2, rank=r, world_size=3) for r in range(3)]
+    assert [len(s) for s in shares] == [333, 333, 333]  # equal: ranks' epochs stay in step
+    together = np.concatenate(shares)
+    assert len(np.unique(together)) == 999  # disjoint
+    assert not np.array_equal(epoch_order(1001, 3, 2), epoch_order(1001, 3, 3))  # new order per epoch
+
+
+@pytest.mark.parametrize("kind", ["stream", "device"])
+def test_loader_state_continues_exactly_where_it_was_saved(kind):
+    shards = _identity_ordered_shards(classes=10, per_class=5, shard_size=20)
+
+    def make():
+        if kind == "stream":
+            return StreamingLoader(shards, 8, "cpu", flip=True, seed=1, prefetch=3)
+        return DeviceResidentLoader.from_shards(shards, 8, "cpu", flip=True, seed=1)
+
+    reference = _take(make(), 13)  # 6 batches per epoch: crosses two epoch boundaries
+    first = make()
+    _take(first, 8)
+    # The streaming loader's producer has read ahead; its position is what was handed out.
+    assert (first.epoch, first.position) == (1, 2)
+    state = first.state_dict()
+    second = make()
+    second.load_state_dict(state)
+    for (x, y), (x_ref, y_ref) in zip(_take(second, 5), reference[8:], strict=True):
+        assert torch.equal(y, y_ref) and torch.equal(x, x_ref)  # same faces, same flips
+    with pytest.raises(ValueError, match="cannot continue"):
+        other = (
+            StreamingLoader(shards, 4, "cpu")
+            if kind == "stream"
+            else DeviceResidentLoader.from_shards(shards, 4, "cpu")
+        )
+        other.load_state_dict(state)
+
+
+def test_streaming_loader_reports_a_dataset_smaller_than_a_batch():
     images, labels = _toy_faces(6)
-    loader = StreamingLoader([(images, labels)], 8, "cpu", window=1)
-    with pytest.raises(ValueError, match="full batch"):
-        next(iter(loader))
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        StreamingLoader([(images, labels)], 8, "cpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,17 +230,23 @@ def tiny_prepared(tmp_path_factory):
     return prepare_dataset(source, out, limit_identities=2, workers=2, progress=False)
 
 
+def _smoke_overrides(prepared, out_dir, name: str, *extra: str) -> list[str]:
+    return [
+        f"data={prepared.path}", f"out_dir={out_dir}", f"name={name}", "network=sphereface4",
+        "batch_size=8", "log_every=1", "checkpoint_every=1", 'lfw=""', "threads=1", *extra,
+    ]  # fmt: skip
+
+
 @pytest.mark.shared_data
 def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepared, tmp_path):
     from models.embedder import Embedder
     from training.export import export_checkpoint
     from training.trainer import train
 
-    overrides = [
-        f"data={tiny_prepared.path}", f"out_dir={tmp_path}", "name=smoke", "network=sphereface4",
-        "head=sphereface_plus", "head_options={ m = 4, mhe_weight = 1.0 }", "batch_size=8", "steps=2",
-        "log_every=1", "checkpoint_every=1", 'lfw=""', "threads=1",
-    ]  # fmt: skip
+    overrides = _smoke_overrides(
+        tiny_prepared, tmp_path, "smoke", "head=sphereface_plus", "head_options={ m = 4, mhe_weight = 1.0 }",
+        "steps=2",
+    )  # fmt: skip
     result = train(load_config(None, overrides), progress=False)
     run = tmp_path / "smoke"
     assert result.run_dir == run
@@ -170,12 +254,16 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
         rows = list(csv.DictReader(handle))
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert all(np.isfinite(float(r["loss"])) for r in rows)
-    # lambda's decay is scaled to the 2-step run: 1000 at step 0, at its floor of 5 by step 1.
-    assert [float(r["lambda"]) for r in rows] == [1000.0, 5.0]
+    # The authors' schedule per Caffe iteration, whatever the run's length: 1000/1.12, 1000/1.24.
+    assert [float(r["lambda"]) for r in rows] == pytest.approx([892.857, 806.452], abs=1e-3)
     assert float(rows[0]["mhe"]) > 0
+    assert all(float(r["feature_norm"]) > 0 for r in rows)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_classes"] == 2 and summary["classifier_energy_s2"] > 0
     assert (run / "curves.png").stat().st_size > 0
+    # The classifier rows stay on the unit sphere (renormalised after every step, as in Caffe).
+    head = torch.load(run / "checkpoint.pt", weights_only=True)["head"]["weight"]
+    torch.testing.assert_close(head.norm(dim=1), torch.ones(2), atol=1e-6, rtol=0)
 
     # A second session continues from the checkpoint instead of starting over.
     with pytest.raises(ConfigError, match="--resume"):
@@ -197,6 +285,87 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
 
 
 @pytest.mark.shared_data
+@pytest.mark.parametrize("loader", ["device", "stream"])
+def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
+    tiny_prepared, tmp_path, loader
+):
+    from training.trainer import train
+
+    # 6 steps of batch 8 cross an epoch boundary of the 2-identity set; flips, hidden MHE's random
+    # neurons and the optimizer's momentum all carry over. The break (step 4) is not a multiple of
+    # checkpoint_every, so the stop itself must checkpoint.
+    extra = ("steps=6", "checkpoint_every=5", f"loader={loader}", "hidden_mhe_weight=0.1", "head=asoftmax")
+    whole = train(
+        load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "whole", *extra)), progress=False
+    )
+    config = load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "parts", *extra))
+    first = train(config, progress=False, until_step=4)
+    assert first.steps == 4 and first.summary == {}
+    assert not (tmp_path / "parts" / "summary.json").exists()
+    second = train(config, resume=True, progress=False)
+    assert second.steps == 6
+    a = torch.load(whole.run_dir / "checkpoint.pt", weights_only=True)
+    b = torch.load(second.run_dir / "checkpoint.pt", weights_only=True)
+    for part in ("net", "head"):
+        for key, value in a[part].items():
+            assert torch.equal(value, b[part][key]), f"{part}.{key} differs after resuming"
+    momentum_a = [s["momentum_buffer"] for s in a["optimizer"]["state"].values()]
+    momentum_b = [s["momentum_buffer"] for s in b["optimizer"]["state"].values()]
+    assert all(torch.equal(x, y) for x, y in zip(momentum_a, momentum_b, strict=True))
+    with (tmp_path / "parts" / "log.csv").open() as handle:
+        assert [int(r["step"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.shared_data
+def test_a_run_whose_features_collapse_stops_with_a_clear_message(tiny_prepared, tmp_path):
+    from training.trainer import FeatureCollapseError, train
+
+    # Weight decay 5 at lr 0.1 without momentum halves every decayed weight per step, so ||x||
+    # falls by an order of magnitude within a few steps; a collapse fraction of 0.5 must stop the
+    # run there (the default, 0.01, is for the real collapse; this keeps the test short).
+    overrides = _smoke_overrides(
+        tiny_prepared, tmp_path, "collapse", "steps=20", "weight_decay=5.0", "momentum=0.0",
+        "feature_norm_collapse=0.5",
+    )  # fmt: skip
+    with pytest.raises(
+        FeatureCollapseError, match=r"features collapsed at step (\d+): mean \|\|x\|\| fell"
+    ) as caught:
+        train(load_config(None, overrides), progress=False)
+    stopped = int(re.search(r"at step (\d+)", str(caught.value)).group(1))
+    with (tmp_path / "collapse" / "log.csv").open() as handle:
+        norms = [float(r["feature_norm"]) for r in csv.DictReader(handle)]
+    # Every logged interval was healthy; the collapsing one stopped the run before its log line.
+    assert stopped < 20 and len(norms) == stopped - 1
+    assert all(n >= 0.5 * norms[0] for n in norms)
+    # The same run with the check off trains on.
+    unchecked = [*overrides[:-1], "feature_norm_collapse=0", "name=unchecked", "steps=3"]
+    assert train(load_config(None, unchecked), progress=False).steps == 3
+
+
+@pytest.mark.shared_data
+def test_training_on_two_prepared_folders_with_a_minimum_of_photos(tiny_prepared, tmp_path_factory, tmp_path):
+    from tests.conftest import require_shared
+    from training.prepare import prepare_dataset
+    from training.trainer import train
+
+    source = require_shared("celeba_faces")
+    out = tmp_path_factory.mktemp("prepared") / "celeba_next"
+    # identities 3..4 of celeba_faces: limit_identities=4 minus the 2 of tiny_prepared's folder
+    four = prepare_dataset(source, out, limit_identities=4, workers=2, progress=False)
+    overrides = _smoke_overrides(tiny_prepared, tmp_path, "two", "steps=1")
+    overrides[0] = f"data=[{str(tiny_prepared.path)!r}, {str(four.path)!r}]"
+    counts = sorted(four.manifest["identity_counts"].values())
+    result = train(load_config(None, [*overrides, f"min_photos_per_identity={counts[1]}"]), progress=False)
+    # The 2 identities in both folders merge by name; those below the minimum are left out.
+    kept = {n: c for n, c in four.manifest["identity_counts"].items()}
+    for name in tiny_prepared.identities:
+        kept[name] += tiny_prepared.manifest["identity_counts"][name]
+    expected = sorted(n for n, c in kept.items() if c >= counts[1])
+    assert result.summary["num_classes"] == len(expected)
+    assert result.summary["num_images"] == sum(kept[n] for n in expected)
+
+
+@pytest.mark.shared_data
 @pytest.mark.slow
 def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):
     import os
@@ -215,6 +384,9 @@ def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):
     assert "2 processes x batch 4" in done.stderr
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final"]["step"] == 2
+    # DDP kept both ranks' weights identical (a checksum of every parameter, gathered from each).
+    checksums = summary["rank_weight_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]
 
 
 def test_lambda_floor_in_epochs_sets_the_warm_phase_by_dataset_size():
@@ -227,3 +399,69 @@ def test_lambda_floor_in_epochs_sets_the_warm_phase_by_dataset_size():
     assert head.lambda_schedule(48) > 5.0 and head.lambda_schedule(49) == 5.0
     with pytest.raises(ConfigError, match="number of training images"):
         build_model(config, num_classes=5)
+
+
+def test_loss_table_reads_finished_runs_in_paper_order_with_megaface_rank1(tmp_path):
+    from training.loss_table import collect, markdown
+
+    def run(name: str, head: str, options: dict, seed: int, lfw: float, rank1: float | None) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        summary = {
+            "name": name, "head": head, "head_options": options, "seed": seed, "network": "sphereface4",
+            "steps": 2000, "batch_size": 64, "epochs": 9.6, "num_images": 13367, "num_classes": 3044,
+            "lfw": {"accuracy": lfw, "std": 0.01, "angular_fisher_score": 0.3},
+            "classifier_energy_s2": 0.5, "classifier_energy_s0": -0.3,
+            "classifier_angles_deg": {"min_deg": 60.0, "nearest_mean_deg": 75.0},
+            "final": {"accuracy": 0.9, "feature_norm": 21.5},
+        }  # fmt: skip
+        (folder / "summary.json").write_text(json.dumps(summary))
+        if rank1 is not None:
+            identification = {"10": {"rank1": 0.99}, "10318": {"rank1": rank1}, "1000": {"rank1": 0.5}}
+            report = {"results": {"raw": {"identification": identification}}}
+            (folder / "megaface_local.json").write_text(json.dumps(report))
+        return folder
+
+    rows = collect([
+        run("arc", "arcface", {"scale": 30.0, "margin": 0.5}, 0, 0.81, None),
+        run("m4s1", "asoftmax", {"m": 4}, 1, 0.83, 0.25),
+        run("soft", "softmax", {}, 0, 0.80, 0.125),
+    ])  # fmt: skip
+    assert [r["loss"] for r in rows] == ["softmax", "A-Softmax m = 4, seed 1", "ArcFace (s = 30, m = 0.5)"]
+    assert rows[1]["megaface_local_rank1"] == 0.25 and rows[1]["megaface_distractors"] == 10318
+    table = markdown(rows).splitlines()
+    assert table[3].startswith("| A-Softmax m = 4, seed 1 | 83.00 ± 1.00 | 25.00 | 0.3000 |")
+    assert table[3].endswith("| 90.0 | 21.5 |")
+    assert "| – |" in table[4]  # no MegaFace report for the ArcFace run
+    (tmp_path / "unfinished").mkdir()
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        collect([tmp_path / "unfinished"])
+
+
+def test_optimiser_groups_follow_the_authors_prototxt():
+    from models.nets import build_network
+    from training.trainer import _param_groups
+
+    net = build_network("sphereface4")
+    decayed, biases, norms = _param_groups(net, lr=0.1, weight_decay=5e-4)
+    ids = lambda params: {id(p) for p in params}  # noqa: E731
+    prelu_slopes = [m.weight for m in net.modules() if isinstance(m, torch.nn.PReLU)]
+    conv_biases = [m.bias for m in net.modules() if isinstance(m, torch.nn.Conv2d) and m.bias is not None]
+    # PReLU slopes are decayed (Caffe's default decay_mult 1); biases get lr_mult 2, decay_mult 0.
+    assert ids(prelu_slopes) <= ids(decayed["params"]) and decayed["weight_decay"] == 5e-4
+    assert ids(conv_biases) | {id(net.fc1.bias)} == ids(biases["params"])
+    assert biases["lr"] == pytest.approx(0.2) and biases["weight_decay"] == 0.0
+    assert norms["params"] == []  # SphereFace nets have no BatchNorm
+
+
+def test_auto_precision_is_bf16_only_on_gpus_that_compute_in_bf16(monkeypatch):
+    from training.trainer import _bf16_for
+
+    config = load_config(None, [])
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100
+    assert _bf16_for(config, cuda) is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100
+    assert _bf16_for(config, cuda) is True
+    assert _bf16_for(config, torch.device("cpu")) is False
+    assert _bf16_for(load_config(None, ["precision=bf16"]), torch.device("cpu")) is True

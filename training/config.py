@@ -39,8 +39,11 @@ class TrainConfig:
 
     #: Run name; the run folder is ``out_dir/name``.
     name: str = "sphereface20_asoftmax_m4"
-    #: A folder written by ``sphereface prepare``.
-    data: str = ".cache/data/casia_webface"
+    #: A folder written by ``sphereface prepare``, or a list of them trained as one set
+    #: (identities merged by folder name; training.prepare.load_training_set).
+    data: str | list[str] = ".cache/data/casia_webface"
+    #: Leave out identities with fewer aligned faces than this (over all ``data`` folders).
+    min_photos_per_identity: int = 1
     out_dir: str = "runs"
     #: ``sphereface4|10|20|36|64`` or ``mobilefacenet`` (models.nets.NETWORKS).
     network: str = "sphereface20"
@@ -50,16 +53,15 @@ class TrainConfig:
     head: str = "asoftmax"
     #: Passed to the head, e.g. ``{ m = 4 }``, ``{ m = 4, mhe_weight = 1.0 }``, ``{ scale = 30 }``.
     head_options: dict[str, Any] = field(default_factory=dict)
-    #: A-Softmax annealing ``lambda = max(min, base * (1 + gamma * step) ** -power)`` (SPEC.md §1.4).
+    #: A-Softmax annealing ``lambda = max(min, base * (1 + gamma * i) ** -power)`` with Caffe's
+    #: iteration ``i = step + 1`` (SPEC.md §1.4): 892.9 at the first step, 5 from step 1658 on,
+    #: whatever the run's length (the authors' schedule is per iteration, not per run).
     lambda_base: float = 1000.0
     lambda_gamma: float = 0.12
     lambda_power: float = 1.0
     lambda_min: float = 5.0
-    #: Scale gamma by 28000 / steps so lambda reaches its floor at the same fraction of the run.
-    lambda_scale_to_run: bool = True
-    #: When set: lambda reaches its floor after this many epochs (overrides lambda_scale_to_run).
-    #: The papers' schedule does so after about one CASIA-WebFace epoch; scaling by steps leaves
-    #: very short runs only a fraction of an epoch of warm phase (docs/training.md §6).
+    #: When set: gamma is chosen so lambda reaches its floor after this many epochs (an
+    #: experiment option; the papers' runs leave it unset).
     lambda_floor_epochs: float | None = None
     #: Hidden-layer MHE (Eq. 5.4) weight; 0 turns it off.
     hidden_mhe_weight: float = 0.0
@@ -85,10 +87,17 @@ class TrainConfig:
     device: str = "auto"
     #: LFW folder for the periodic check (empty: no check); every ``lfw_every`` steps and at the end.
     lfw: str = "../shared/data/lfw"
+    #: Landmarks aligning LFW for that check: ``detect`` (our MTCNN, as the training data and the
+    #: service) or ``file`` (landmarks.txt). One source of landmarks per comparison.
+    lfw_landmarks: str = "detect"
     lfw_every: int = 2000
     #: Pairs per fold for the periodic check (None: all 600); the final check always uses all.
     lfw_pairs_per_fold: int | None = None
     log_every: int = 20
+    #: Stop with a clear error when the mean feature norm ||x|| of a log interval falls below this
+    #: fraction of the first interval's (the collapse of docs/training.md §6: loss -> ln C,
+    #: accuracy -> 0); 0 turns the check off.
+    feature_norm_collapse: float = 0.02
     checkpoint_every: int = 1000
     #: Start from this checkpoint's network (and head, when the class count matches): fine-tuning,
     #: e.g. SphereFace+ from a trained SphereFace model as the papers do.
@@ -99,6 +108,11 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
+
+    @property
+    def data_paths(self) -> list[str]:
+        """``data`` as a list of prepared folders."""
+        return [self.data] if isinstance(self.data, str) else list(self.data)
 
     def lr_milestones(self) -> list[int]:
         """Steps at which the learning rate is divided by 10."""
@@ -119,6 +133,10 @@ class TrainConfig:
             (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
             (all(0 < f < 1 for f in self.lr_drops), "lr_drops are fractions of the run in (0, 1)"),
             (0 <= self.lambda_min <= self.lambda_base, "need lambda_base >= lambda_min >= 0"),
+            (self.min_photos_per_identity >= 1, "min_photos_per_identity must be at least 1"),
+            (self.lfw_landmarks in ("detect", "file"), "lfw_landmarks must be detect or file"),
+            (0 <= self.feature_norm_collapse < 1, "feature_norm_collapse is a fraction in [0, 1)"),
+            (bool(self.data_paths), "data needs at least one prepared folder"),
         ]
         for ok, message in checks:
             if not ok:
@@ -178,8 +196,22 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+#: Fields that existed once, with what to do instead (an old config gets this, not a bare error).
+REMOVED_FIELDS = {
+    "lambda_scale_to_run": (
+        "lambda_scale_to_run was removed: squeezing the lambda schedule into a short run dropped "
+        "lambda to its floor within a few steps and collapsed the features (docs/training.md §6). "
+        "The schedule now follows the authors' iterations; delete the line (or set "
+        "lambda_floor_epochs for a different warm phase)"
+    ),
+}
+
+
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     known = {f.name for f in fields(TrainConfig)}
+    for name, message in REMOVED_FIELDS.items():
+        if name in data:
+            raise ConfigError(message)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown config fields {unknown}; known: {sorted(known)}")

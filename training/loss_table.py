@@ -5,11 +5,12 @@ Usage (after training the runs, e.g. ``make loss-table``)::
     python -m training.loss_table runs/celeba/sf4_* --json docs/results/loss_table.json \\
         --markdown docs/results/loss_table.md
 
-Columns: LFW 10-fold accuracy (official protocol, landmarks.txt crops, PyTorch features), the
+Columns: LFW 10-fold accuracy (official protocol, crops aligned with our MTCNN's landmarks as the
+training data, PyTorch features), the
 angular Fisher score of the LFW features (Eq. A.1, people with 2+ images; lower = more
 discriminative), and the hyperspherical energy of the classifier weights (normalised E_2 and
 E_0 of SPEC.md §3.1, lower = more spread out), plus the minimum / nearest-neighbour angle
-between classifier neurons.
+between classifier neurons, the final training accuracy and mean feature norm ||x||.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ ORDER = (
     ("asoftmax", 3),
     ("asoftmax", 4),
     ("sphereface_plus", 4),
+    ("cosface", None),
+    ("arcface", None),
 )
 
 
 def _label(summary: dict[str, Any]) -> str:
     label = _head_label(summary)
+    if summary.get("seed"):
+        label += f", seed {summary['seed']}"
     if summary.get("init_from"):
         label += f", fine-tuned from {Path(summary['init_from']).parent.name} ({summary['steps']} more steps)"
     return label
@@ -49,6 +54,10 @@ def _head_label(summary: dict[str, Any]) -> str:
         return f"A-Softmax m = {options.get('m', 4)}"
     if head == "sphereface_plus":
         return f"SphereFace+ (m = {options.get('m', 4)}, MHE weight {options.get('mhe_weight', 1.0)})"
+    if head == "cosface":
+        return f"CosFace (s = {options.get('scale', 30.0):g}, m = {options.get('margin', 0.35):g})"
+    if head == "arcface":
+        return f"ArcFace (s = {options.get('scale', 30.0):g}, m = {options.get('margin', 0.5):g})"
     return head
 
 
@@ -62,6 +71,20 @@ def _order_key(summary: dict[str, Any]) -> int:
     return offset + len(ORDER)
 
 
+#: Written into a run folder by ``make loss-table``: ``sphereface evaluate megaface --protocol local``.
+MEGAFACE_FILE = "megaface_local.json"
+
+
+def megaface_rank1(run: Path) -> tuple[float | None, int | None]:
+    """Rank-1 identification rate at the largest distractor count of the run's local-v1 report."""
+    path = run / MEGAFACE_FILE
+    if not path.is_file():
+        return None, None
+    identification = json.loads(path.read_text())["results"]["raw"]["identification"]
+    largest = max(identification, key=int)
+    return identification[largest]["rank1"], int(largest)
+
+
 def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
     rows = []
     for run in run_dirs:
@@ -71,6 +94,7 @@ def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
         summary = json.loads(path.read_text())
         lfw = summary.get("lfw") or {}
         angles = summary.get("classifier_angles_deg", {})
+        rank1, distractors = megaface_rank1(run)
         rows.append(
             {
                 "run": summary["name"],
@@ -82,11 +106,17 @@ def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "lfw_accuracy": lfw.get("accuracy"),
                 "lfw_std": lfw.get("std"),
                 "angular_fisher_score": lfw.get("angular_fisher_score"),
+                "megaface_local_rank1": rank1,
+                "megaface_distractors": distractors,
                 "classifier_energy_s2": summary.get("classifier_energy_s2"),
                 "classifier_energy_s0": summary.get("classifier_energy_s0"),
                 "classifier_min_angle_deg": angles.get("min_deg"),
                 "classifier_nearest_mean_deg": angles.get("nearest_mean_deg"),
                 "final_train_accuracy": summary["final"].get("accuracy"),
+                "final_feature_norm": summary["final"].get("feature_norm"),
+                "seed": summary.get("seed"),
+                "num_images": summary.get("num_images"),
+                "num_classes": summary.get("num_classes"),
                 "train_images_per_s": summary.get("mean_images_per_s"),
                 "_order": _order_key(summary),
             }
@@ -101,9 +131,10 @@ def _num(value: Any, fmt: str) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| Loss | LFW accuracy (%) | AFS of LFW features ↓ | Classifier energy E₂ ↓ | E₀ ↓ "
-        "| Min / mean-nearest angle between classifier neurons (°) | Final train acc. (%) |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| Loss | LFW accuracy (%) | MegaFace local-v1 rank-1 (%) | AFS of LFW features ↓ "
+        "| Classifier energy E₂ ↓ | E₀ ↓ "
+        "| Min / mean-nearest angle between classifier neurons (°) | Final train acc. (%) | Final ‖x‖ |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -113,10 +144,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         train_acc = None if r["final_train_accuracy"] is None else 100 * r["final_train_accuracy"]
         min_angle, nearest = r["classifier_min_angle_deg"], r["classifier_nearest_mean_deg"]
         angles = f"{_num(min_angle, '.1f')} / {_num(nearest, '.1f')}"
+        rank1 = None if r["megaface_local_rank1"] is None else 100 * r["megaface_local_rank1"]
         lines.append(
-            f"| {r['loss']} | {acc} | {_num(r['angular_fisher_score'], '.4f')} "
+            f"| {r['loss']} | {acc} | {_num(rank1, '.2f')} | {_num(r['angular_fisher_score'], '.4f')} "
             f"| {_num(r['classifier_energy_s2'], '.4f')} | {_num(r['classifier_energy_s0'], '.4f')} "
-            f"| {angles} | {_num(train_acc, '.1f')} |"
+            f"| {angles} | {_num(train_acc, '.1f')} | {_num(r['final_feature_norm'], '.1f')} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -3,17 +3,27 @@
 One entry point, :func:`train`, run directly or under ``torchrun`` (DistributedDataParallel,
 several GPUs and nodes; NCCL on GPUs, Gloo on CPU). What it does, per SPEC.md §1.8:
 
-* SGD, momentum 0.9, weight decay 5e-4 (not on biases, PReLU slopes and BatchNorm, as the
-  authors' Caffe nets), learning rate 0.1 divided by 10 at 16/28 and 24/28 of the run (the
-  papers' 16K and 24K of 28K iterations, scaled to the run's length).
-* Horizontal flip; bf16 autocast on CUDA (the classifier heads compute in float32).
-* A-Softmax's lambda annealed per step (logged), optional hidden-layer MHE (Eq. 5.4).
-* A checkpoint every ``checkpoint_every`` steps and at the end (``checkpoint.pt``, with optimizer,
-  schedule, RNG and loader state): ``resume=True`` continues a killed run where it stopped.
-* An LFW check (official 10-fold protocol on landmarks.txt-aligned crops) every ``lfw_every``
-  steps and at the end; a CSV log (``log.csv``) of loss, accuracy, lambda, MHE, learning rate,
-  images/s and LFW; a PNG of the curves; ``summary.json`` with the final numbers, the angular
-  Fisher score of LFW features (Eq. A.1) and the hyperspherical energy of the classifier.
+* SGD, momentum 0.9, weight decay 5e-4 as the authors' Caffe nets (``sphereface_model.prototxt``):
+  weights and PReLU slopes decayed, biases at twice the learning rate and not decayed (BatchNorm,
+  which those nets lack, is not decayed either); learning rate 0.1 divided by 10 at 16/28 and
+  24/28 of the run (the papers' 16K and 24K of 28K iterations, scaled to the run's length).
+* The angular heads' classifier rows are put back on the unit sphere after every step, as the
+  Caffe layer does on every forward pass.
+* Horizontal flip; bf16 autocast on GPUs that compute in bf16 (Ampere and later; fp32 before);
+  the classifier heads compute in float32.
+* A-Softmax's lambda per Caffe iteration (logged), optional hidden-layer MHE (Eq. 5.4).
+* A checkpoint every ``checkpoint_every`` steps and at the end (``checkpoint.pt``: network, head,
+  optimizer, schedule, and every process's RNG and loader position): ``resume=True`` continues a
+  killed run exactly (the weights equal those of an uninterrupted run, bit for bit on CPU).
+* The mean feature norm ||x|| is logged; a run whose features collapse towards 0 stops with a
+  message instead of training on (``feature_norm_collapse``).
+* An LFW check (official 10-fold protocol, crops aligned with the same MTCNN landmarks as the
+  training data) every ``lfw_every`` steps and at the end; a CSV log (``log.csv``) of loss,
+  accuracy, lambda, MHE, ||x||, learning rate, images/s and LFW; a PNG of the curves;
+  ``summary.json`` with the final numbers, the angular Fisher score of LFW features (Eq. A.1)
+  and the hyperspherical energy of the classifier.
+* Under torchrun the logged loss, accuracy and ||x|| are means over all processes, a NaN stops
+  every process at the same step, and the summary records a checksum of every rank's weights.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_COLUMNS = (
-    "step", "epoch", "loss", "accuracy", "lambda", "mhe", "lr", "images_per_s",
+    "step", "epoch", "loss", "accuracy", "lambda", "mhe", "feature_norm", "lr", "images_per_s",
     "lfw_accuracy", "lfw_std", "elapsed_s",
 )  # fmt: skip
 
@@ -53,9 +63,15 @@ class FaceClassifier(nn.Module):
         self.head = head
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[Any, Any, dict]:
-        """``(B, 3, 112, 96)``, ``(B,)`` -> (loss, logits ``(B, C)``, extras)."""
-        out = self.head(self.net(images), labels, step=step)
-        return out.loss, out.logits, out.extras
+        """``(B, 3, 112, 96)``, ``(B,)`` -> (loss, logits ``(B, C)``, extras).
+
+        ``extras`` holds the head's logged values and ``feature_norm``, the batch's mean ||x||
+        (a detached device tensor).
+        """
+        features = self.net(images)
+        out = self.head(features, labels, step=step)
+        feature_norm = features.detach().float().norm(dim=1).mean()
+        return out.loss, out.logits, {**out.extras, "feature_norm": feature_norm}
 
 
 @dataclass
@@ -92,21 +108,33 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on conv / linear / classifier weights only (not biases, PReLU, BatchNorm)."""
-    no_decay_types = (nn.PReLU, nn.BatchNorm1d, nn.BatchNorm2d)
-    decay, no_decay = [], []
+#: Caffe's ``param { lr_mult: 2 decay_mult: 0 }`` of every bias in the authors' nets.
+BIAS_LR_MULT = 2.0
+
+
+def _param_groups(module: nn.Module, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+    """Optimiser groups as the authors' prototxt sets them.
+
+    Weights (conv, linear, classifier) and PReLU slopes: ``lr``, decayed (a Caffe PReLU layer
+    without ``param`` blocks has ``decay_mult: 1``). Biases: ``2 * lr``, not decayed. BatchNorm
+    (not in the SphereFace nets; MobileFaceNet has it): ``lr``, not decayed.
+    """
+    norm_types = (nn.BatchNorm1d, nn.BatchNorm2d)
+    decay, biases, norms = [], [], []
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
-            if isinstance(sub, no_decay_types) or name == "bias" or param.ndim < 2:
-                no_decay.append(param)
+            if isinstance(sub, norm_types):
+                norms.append(param)
+            elif name == "bias":
+                biases.append(param)
             else:
                 decay.append(param)
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "lr": lr, "weight_decay": weight_decay},
+        {"params": biases, "lr": BIAS_LR_MULT * lr, "weight_decay": 0.0},
+        {"params": norms, "lr": lr, "weight_decay": 0.0},
     ]
 
 
@@ -140,11 +168,17 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
             if num_images is None:
                 raise ConfigError("lambda_floor_epochs needs the number of training images")
             schedule = schedule.reaching_floor_at(config.lambda_floor_epochs * num_images / config.batch_size)
-        elif config.lambda_scale_to_run:
-            schedule = schedule.scaled(config.steps)
         options.setdefault("lambda_schedule", schedule)
     head = build_head(config.head, embedding_size, num_classes, **options)
+    _renormalise_head(head)
     return FaceClassifier(net, head)
+
+
+def _renormalise_head(head: nn.Module) -> None:
+    """Unit classifier rows for the angular heads of the papers (a no-op for the others)."""
+    renormalise = getattr(head, "renormalise_", None)
+    if renormalise is not None:
+        renormalise()
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,15 +218,24 @@ def embed_crops(
 
 
 class LFWCheck:
-    """LFW accuracy of the network being trained, on crops aligned once with ``landmarks.txt``."""
+    """LFW accuracy of the network being trained, on crops aligned once.
+
+    ``landmarks="detect"`` (the default of the trainer) aligns LFW with our MTCNN's landmarks, as
+    the training data and the service are; ``"file"`` uses ``landmarks.txt``.
+    """
 
     def __init__(
-        self, lfw_dir: str | Path, pairs_per_fold: int | None, device: torch.device, bf16: bool
+        self,
+        lfw_dir: str | Path,
+        pairs_per_fold: int | None,
+        device: torch.device,
+        bf16: bool,
+        landmarks: str = "detect",
     ) -> None:
         from training.lfw import aligned_lfw_crops
 
         started = time.perf_counter()
-        self.crops, self.names, self.pairs = aligned_lfw_crops(lfw_dir, workers=2)
+        self.crops, self.names, self.pairs = aligned_lfw_crops(lfw_dir, workers=2, landmarks=landmarks)
         self.quick_pairs = self.pairs.subset(pairs_per_fold) if pairs_per_fold else self.pairs
         quick_names = set(self.quick_pairs.images())
         self.quick_rows = np.array([i for i, n in enumerate(self.names) if n in quick_names])
@@ -276,19 +319,29 @@ def read_log(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def plot_training_curves(log_path: str | Path, out: str | Path, title: str) -> Path:
-    """Loss, training accuracy, lambda / learning rate and LFW accuracy against step (PNG)."""
+    """Loss, training accuracy, mean feature norm, lambda / learning rate, LFW accuracy and the
+    MHE term (when logged) against step (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     cols = read_log(log_path)
-    fig = Figure(figsize=(10, 6.4), dpi=110)
+    fig = Figure(figsize=(14, 6.4), dpi=110)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
+    axes = fig.subplots(2, 3)
     step = cols["step"]
     axes[0, 0].plot(step, cols["loss"], lw=1.2)
     axes[0, 0].set_title("training loss")
     axes[0, 1].plot(step, 100 * cols["accuracy"], lw=1.2)
     axes[0, 1].set_title("training accuracy (%, logits without margin)")
+    axes[0, 2].plot(step, cols["feature_norm"], lw=1.2, color="tab:green")
+    axes[0, 2].set_title("mean feature norm ||x||")
+    axes[0, 2].set_ylim(bottom=0)
+    has_mhe = np.isfinite(cols["mhe"])
+    if has_mhe.any():
+        axes[1, 2].plot(step[has_mhe], cols["mhe"][has_mhe], lw=1.2, color="tab:purple")
+        axes[1, 2].set_title("output-layer MHE term (unweighted)")
+    else:
+        axes[1, 2].set_axis_off()
     ax = axes[1, 0]
     ax.plot(step, cols["lr"], lw=1.2, color="tab:blue", label="learning rate")
     ax.set_yscale("log")
@@ -303,6 +356,8 @@ def plot_training_curves(log_path: str | Path, out: str | Path, title: str) -> P
     axes[1, 1].plot(step[has_lfw], 100 * cols["lfw_accuracy"][has_lfw], "o-", lw=1.2)
     axes[1, 1].set_title("LFW 10-fold accuracy (%)")
     for a in axes.flat:
+        if not a.axison:
+            continue
         a.set_xlabel("step")
         a.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
@@ -348,17 +403,38 @@ class TrainResult:
     summary: dict[str, Any]
 
 
+class FeatureCollapseError(RuntimeError):
+    """The features shrank towards 0 (loss -> ln C, accuracy -> 0): the run cannot recover."""
+
+
+def _bf16_for(config: TrainConfig, device: torch.device) -> bool:
+    """bf16 autocast when asked, or under ``auto`` on a GPU with bf16 arithmetic (Ampere, sm_80+)."""
+    if config.precision != "auto":
+        return config.precision == "bf16"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _all_ranks(flag: bool, ctx: DistributedContext) -> bool:
+    """True only when ``flag`` is true on every process (each rank must take the same decision)."""
+    if ctx.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _make_loader(config: TrainConfig, data: Any, ctx: DistributedContext, per_rank_batch: int) -> Any:
     from training.data import DeviceResidentLoader, StreamingLoader, fits_on_device
 
     kind = config.loader
     nbytes = sum(int(np.prod(images.shape)) for images, _ in data.shards)
     if kind == "auto":
-        kind = "device" if fits_on_device(nbytes, ctx.device) else "stream"
+        kind = "device" if _all_ranks(fits_on_device(nbytes, ctx.device), ctx) else "stream"
     common = {"flip": config.flip, "seed": config.seed, "rank": ctx.rank, "world_size": ctx.world_size}
     if kind == "device":
-        images, labels = data.concatenate()
-        return DeviceResidentLoader(images, labels, per_rank_batch, ctx.device, **common), kind
+        return DeviceResidentLoader.from_shards(data.shards, per_rank_batch, ctx.device, **common), kind
     return StreamingLoader(data.shards, per_rank_batch, ctx.device, **common), kind
 
 
@@ -373,25 +449,152 @@ def _classifier_geometry(head: nn.Module) -> dict[str, Any]:
     }
 
 
-def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
-    """Train ``config``; returns the run folder and its summary (what ``summary.json`` holds).
+# --------------------------------------------------------------------------------------------
+# Every process's random state and loader position (exact resume)
+# --------------------------------------------------------------------------------------------
 
-    Raises:
-        ConfigError: the run folder already has a checkpoint and ``resume`` is False, or the
-            config does not fit the data (e.g. a batch larger than the dataset).
+
+def _process_state(loader: Any, device: torch.device) -> dict[str, Any]:
+    """This process's RNGs (torch, CUDA, python) and loader position, checkpointable.
+
+    (numpy's global RNG is not used anywhere in training: every numpy draw has its own seeded
+    generator.)
     """
-    from tqdm import tqdm
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "loader": loader.state_dict(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
-    from training.prepare import load_prepared
 
-    config.validate()
-    ctx = _init_distributed(config.device)
+def _restore_process_state(state: dict[str, Any], loader: Any, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    loader.load_state_dict(state["loader"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.getstate()`` after a round trip through a checkpoint (lists back to tuples)."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _gather_process_states(loader: Any, ctx: DistributedContext) -> list[dict[str, Any]]:
+    """Every rank's :func:`_process_state`, in rank order (collective: every rank must call it)."""
+    mine = _process_state(loader, ctx.device)
+    if ctx.world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _weights_checksum(module: nn.Module) -> str:
+    """A hash of every parameter's bytes (equal on every rank when DDP keeps them in step)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _gather_objects(value: Any, ctx: DistributedContext) -> list[Any]:
+    if ctx.world_size == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """Everything one training session holds (set up by :func:`_set_up_run`)."""
+
+    config: TrainConfig
+    ctx: DistributedContext
+    data: Any
+    model: FaceClassifier
+    trained: nn.Module  # the model, wrapped in DDP under torchrun
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    loader_kind: str
+    bf16: bool
+    start_step: int
+    hidden_mhe: Any = None
+    lfw_check: LFWCheck | None = None
+    csv_log: CsvLog | None = None
+    first_feature_norm: float | None = None
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.config.run_dir / CHECKPOINT_NAME
+
+
+class _IntervalStats:
+    """Per-step values summed on the device between two log lines (one sync per interval).
+
+    ``lambda`` is a python float of the schedule and is summed on the host: no host-to-device
+    copy per step.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.host_sums: dict[str, float] = {}
+        self.steps = 0
+        self.images = 0
+        self.started = time.perf_counter()
+
+    def add(self, values: dict[str, Any], images: int) -> None:
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach().float()
+                self.sums[key] = self.sums[key] + value if key in self.sums else value.clone()
+            else:
+                self.host_sums[key] = self.host_sums.get(key, 0.0) + float(value)
+        self.steps += 1
+        self.images += images
+
+    def means(self, ctx: DistributedContext) -> dict[str, float]:
+        """Interval means; under torchrun the device sums are averaged over all processes."""
+        keys = sorted(self.sums)
+        out = {k: v / self.steps for k, v in self.host_sums.items()}
+        if not keys:
+            return out
+        stacked = torch.stack([self.sums[k] for k in keys])
+        if ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(stacked)
+            stacked = stacked / ctx.world_size
+        values = (stacked / self.steps).tolist()  # the one device sync of the interval
+        out.update(zip(keys, values, strict=True))
+        return out
+
+
+def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _Run:
+    from training.prepare import load_training_set
+
     if config.threads and ctx.device.type == "cpu":
         torch.set_num_threads(config.threads)
     if config.batch_size % ctx.world_size:
         raise ConfigError(f"batch_size {config.batch_size} is not divisible by {ctx.world_size} processes")
     per_rank_batch = config.batch_size // ctx.world_size
-    bf16 = config.precision == "bf16" or (config.precision == "auto" and ctx.device.type == "cuda")
     run_dir = config.run_dir
     checkpoint_path = run_dir / CHECKPOINT_NAME
     if checkpoint_path.exists() and not resume:
@@ -403,184 +606,306 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
         (run_dir / "config.toml").write_text(config.to_toml())
 
     _seed_everything(config.seed + ctx.rank)
-    data = load_prepared(config.data)
+    data = load_training_set(config.data_paths, config.min_photos_per_identity)
     model = build_model(config, data.num_classes, data.num_images)
-    start_step, state = 0, None
-    if resume and checkpoint_path.exists():
-        state = load_checkpoint(checkpoint_path)
+    state = load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
+    if state is not None:
         model.net.load_state_dict(state["net"])
         model.head.load_state_dict(state["head"])
-        start_step = int(state["step"])
     elif config.init_from:
         _init_from(model, config.init_from)
     model.to(ctx.device)
     if ctx.device.type == "cuda":
         model.net.to(memory_format=torch.channels_last)
-
     optimizer = torch.optim.SGD(
-        _param_groups(model, config.weight_decay), lr=config.lr, momentum=config.momentum
+        _param_groups(model, config.lr, config.weight_decay), lr=config.lr, momentum=config.momentum
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng_cpu"])
     trained: nn.Module = model
     if ctx.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
         trained = DistributedDataParallel(model, device_ids=device_ids)
-
     loader, loader_kind = _make_loader(config, data, ctx, per_rank_batch)
-    loader.epoch = int(state["epoch"]) if state is not None else 0
-    hidden_mhe = None
+    bf16 = _bf16_for(config, ctx.device)
+    run = _Run(config, ctx, data, model, trained, optimizer, scheduler, loader, loader_kind, bf16, 0)
+    if state is not None:
+        _resume_from(run, state)
     if config.hidden_mhe_weight > 0:
         from training.losses import HiddenMHE
 
-        hidden_mhe = HiddenMHE(weight=config.hidden_mhe_weight, half_space=config.hidden_mhe_half_space)
-    lfw_check = None
+        run.hidden_mhe = HiddenMHE(weight=config.hidden_mhe_weight, half_space=config.hidden_mhe_half_space)
     if config.lfw and ctx.is_main:
-        lfw_check = LFWCheck(config.lfw, config.lfw_pairs_per_fold, ctx.device, bf16)
-    csv_log = CsvLog(run_dir / "log.csv", start_step) if ctx.is_main else None
+        run.lfw_check = LFWCheck(
+            config.lfw, config.lfw_pairs_per_fold, ctx.device, bf16, config.lfw_landmarks
+        )
     if ctx.is_main:
+        run.csv_log = CsvLog(run_dir / "log.csv", run.start_step)
         log.info(
             "training %s: %s + %s on %s (%s loader, %d processes x batch %d, %s), %d faces, %d classes, "
             "steps %d..%d", config.name, config.network, config.head, ctx.device, loader_kind,
             ctx.world_size, per_rank_batch, "bf16" if bf16 else "fp32", data.num_images,
-            data.num_classes, start_step, config.steps,
+            data.num_classes, run.start_step, config.steps,
         )  # fmt: skip
+    return run
 
-    def checkpoint(step: int, metrics: dict[str, Any]) -> None:
-        if not ctx.is_main:
-            return
-        _save_checkpoint(
-            checkpoint_path,
-            {
-                "step": step,
-                "epoch": loader.epoch,
-                "config": asdict(config),
-                "network": config.network,
-                "embedding_size": int(model.net.embedding_size),
-                "num_classes": data.num_classes,
-                "net": model.net.state_dict(),
-                "head": model.head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng_cpu": torch.get_rng_state(),
-                "metrics": metrics,
-            },
+
+def _resume_from(run: _Run, state: dict[str, Any]) -> None:
+    """Optimizer, schedule, and this rank's RNG and loader position from a checkpoint."""
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.start_step = int(state["step"])
+    run.first_feature_norm = state.get("first_feature_norm")
+    processes = state.get("processes") or []
+    if len(processes) == run.ctx.world_size:
+        _restore_process_state(processes[run.ctx.rank], run.loader, run.ctx.device)
+    else:
+        log.warning(
+            "the checkpoint was written by %d processes and this run has %d: the weights and "
+            "optimizer continue, the data order and random state start afresh (not an exact resume)",
+            len(processes), run.ctx.world_size,
+        )  # fmt: skip
+        run.loader.epoch = int(state.get("epoch", 0))
+
+
+def _save_run_checkpoint(run: _Run, step: int, metrics: dict[str, Any]) -> None:
+    """``checkpoint.pt`` (written by rank 0; collective: every rank must call it)."""
+    processes = _gather_process_states(run.loader, run.ctx)
+    if not run.ctx.is_main:
+        return
+    config, model = run.config, run.model
+    _save_checkpoint(
+        run.checkpoint_path,
+        {
+            "step": step,
+            "epoch": run.loader.epoch,
+            "config": asdict(config),
+            "network": config.network,
+            "embedding_size": int(model.net.embedding_size),
+            "num_classes": run.data.num_classes,
+            "identities": list(run.data.identities),
+            "net": model.net.state_dict(),
+            "head": model.head.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "processes": processes,
+            "first_feature_norm": run.first_feature_norm,
+            "metrics": metrics,
+        },
+    )
+
+
+def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """One optimiser step; returns the values to log (device tensors and host floats)."""
+    if run.ctx.device.type == "cuda":
+        images = images.contiguous(memory_format=torch.channels_last)
+    with torch.autocast(device_type=run.ctx.device.type, dtype=torch.bfloat16, enabled=run.bf16):
+        loss, logits, extras = run.trained(images, labels, step)
+        total = loss + run.hidden_mhe(run.model.net) if run.hidden_mhe is not None else loss
+    run.optimizer.zero_grad(set_to_none=True)
+    total.backward()
+    run.optimizer.step()
+    run.scheduler.step()
+    _renormalise_head(run.model.head)
+    values: dict[str, Any] = {
+        "loss": total.detach(),
+        "accuracy": (logits.argmax(1) == labels).float().mean(),
+        "feature_norm": extras["feature_norm"],
+    }
+    for key in ("lambda", "mhe"):
+        if key in extras:
+            values[key] = extras[key]
+    return values
+
+
+def _check_health(run: _Run, done: int, metrics: dict[str, Any]) -> None:
+    """Stop on a NaN loss or collapsed features (every rank sees the same all-reduced means)."""
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(
+            f"loss became {metrics['loss']} at step {done}; lower lr or the MHE weight "
+            f"(the last good checkpoint is {run.checkpoint_path})"
+        )
+    norm = metrics.get("feature_norm")
+    if norm is None or run.config.feature_norm_collapse <= 0:
+        return
+    if run.first_feature_norm is None:
+        run.first_feature_norm = norm
+        return
+    if norm < run.config.feature_norm_collapse * run.first_feature_norm:
+        raise FeatureCollapseError(
+            f"the features collapsed at step {done}: mean ||x|| fell from {run.first_feature_norm:.3g} "
+            f"to {norm:.3g} (loss {metrics['loss']:.3f}, ln C = {math.log(run.data.num_classes):.3f}; "
+            f"training accuracy {100 * metrics['accuracy']:.1f}%). The network lowers the loss by "
+            "shrinking its features and will not recover. Usual causes: lambda reaching its floor "
+            "before the network has learnt (lambda_floor_epochs), a learning rate too high for the "
+            "batch, or a margin too large for the data. Set feature_norm_collapse = 0 to train on "
+            f"anyway; the last checkpoint is {run.checkpoint_path}"
         )
 
+
+def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, is_last: bool) -> dict:
+    means = stats.means(run.ctx)
+    now = time.perf_counter()
+    metrics: dict[str, Any] = {
+        "step": done,
+        "epoch": run.loader.epoch,
+        "loss": means["loss"],
+        "accuracy": means["accuracy"],
+        "lambda": means.get("lambda"),
+        "mhe": means.get("mhe"),
+        "feature_norm": means.get("feature_norm"),
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "images_per_s": stats.images * run.ctx.world_size / max(now - stats.started, 1e-9),
+        "elapsed_s": now - started,
+    }
+    _check_health(run, done, metrics)
+    every = run.config.lfw_every
+    if run.lfw_check is not None and (is_last or (every and done % every == 0)):
+        lfw = run.lfw_check(run.model.net, full=is_last)
+        metrics["lfw_accuracy"], metrics["lfw_std"] = lfw["accuracy"], lfw["std"]
+        metrics["lfw"] = lfw
+    if run.csv_log is not None:
+        run.csv_log.write(metrics)
+    return metrics
+
+
+def _postfix(metrics: dict[str, Any], last_lfw: dict[str, Any] | None) -> dict[str, str]:
+    lam = metrics["lambda"]
+    return {
+        "loss": f"{metrics['loss']:.3f}",
+        "acc": f"{metrics['accuracy']:.3f}",
+        "|x|": f"{metrics['feature_norm']:.1f}",
+        "lam": f"{lam:.1f}" if lam is not None else "-",
+        "ips": f"{metrics['images_per_s']:.0f}",
+        "lfw": f"{100 * last_lfw['accuracy']:.2f}" if last_lfw else "-",
+    }
+
+
+@dataclass
+class _LoopResult:
+    history: list[dict[str, Any]]
+    metrics: dict[str, Any]
+    last_lfw: dict[str, Any] | None
+    train_seconds: float
+    stopped_at: int
+
+
+def _train_loop(run: _Run, until: int, progress: bool) -> _LoopResult:
+    """Steps ``run.start_step .. until``; logs, checks health and checkpoints along the way."""
+    from tqdm import tqdm
+
+    config, ctx = run.config, run.ctx
     history: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    interval_start, interval_images, train_seconds = time.perf_counter(), 0, 0.0
-    sums: dict[str, torch.Tensor] = {}
-    count = 0
-    last_lfw: dict[str, Any] | None = None
     metrics: dict[str, Any] = {}
+    last_lfw: dict[str, Any] | None = None
+    started, train_seconds = time.perf_counter(), 0.0
+    stats = _IntervalStats()
     bar = tqdm(
-        total=config.steps, initial=start_step, desc=config.name, unit="step",
+        total=config.steps, initial=run.start_step, desc=config.name, unit="step",
         disable=not (progress and ctx.is_main), dynamic_ncols=True,
     )  # fmt: skip
-    batches = iter(loader)
-    trained.train()
-    for step in range(start_step, config.steps):
-        images, labels = next(batches)
-        if ctx.device.type == "cuda":
-            images = images.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, logits, extras = trained(images, labels, step)
-            total = loss + hidden_mhe(model.net) if hidden_mhe is not None else loss
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        optimizer.step()
-        scheduler.step()
-        with torch.no_grad():
-            batch_stats = {"loss": total.detach(), "accuracy": (logits.argmax(1) == labels).float().mean()}
-            for key in ("lambda", "mhe"):
-                if key in extras:
-                    batch_stats[key] = torch.as_tensor(extras[key], dtype=torch.float32, device=ctx.device)
-            for key, value in batch_stats.items():
-                sums[key] = sums[key] + value if key in sums else value.clone()
-        count += 1
-        interval_images += len(labels) * ctx.world_size
-        done = step + 1
-        is_last = done == config.steps
-        if done % config.log_every == 0 or is_last:
-            means = {k: float(v) / count for k, v in sums.items()}  # one device sync per interval
-            now = time.perf_counter()
-            train_seconds += now - interval_start
-            metrics = {
-                "step": done,
-                "epoch": loader.epoch,
-                "loss": means["loss"],
-                "accuracy": means["accuracy"],
-                "lambda": means.get("lambda"),
-                "mhe": means.get("mhe"),
-                "lr": optimizer.param_groups[0]["lr"],
-                "images_per_s": interval_images / max(now - interval_start, 1e-9),
-                "elapsed_s": now - started,
-            }
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(
-                    f"loss became {metrics['loss']} at step {done}; lower lr or the MHE weight "
-                    f"(the last good checkpoint is {checkpoint_path})"
-                )
-            if lfw_check is not None and (is_last or (config.lfw_every and done % config.lfw_every == 0)):
-                last_lfw = lfw_check(model.net, full=is_last)
-                metrics["lfw_accuracy"], metrics["lfw_std"] = last_lfw["accuracy"], last_lfw["std"]
-            if csv_log is not None:
-                csv_log.write(metrics)
-            history.append(metrics)
-            bar.set_postfix(
-                loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                lam=f"{metrics['lambda']:.1f}" if metrics["lambda"] is not None else "-",
-                ips=f"{metrics['images_per_s']:.0f}",
-                lfw=f"{100 * last_lfw['accuracy']:.2f}" if last_lfw else "-",
-            )  # fmt: skip
-            sums, count, interval_images = {}, 0, 0
-            interval_start = time.perf_counter()
-        bar.update(1)
-        if ctx.is_main and (done % config.checkpoint_every == 0 or is_last):
-            checkpoint(done, metrics)
-    bar.close()
+    batches = iter(run.loader)
+    run.trained.train()
+    done = run.start_step
+    try:
+        for step in range(run.start_step, until):
+            images, labels = next(batches)
+            stats.add(_train_step(run, step, images, labels), len(labels))
+            done = step + 1
+            is_last = done == config.steps
+            if done % config.log_every == 0 or done == until:
+                train_seconds += time.perf_counter() - stats.started
+                metrics = _log_interval(run, done, stats, started, is_last)
+                last_lfw = metrics.pop("lfw", last_lfw)
+                history.append(metrics)
+                bar.set_postfix(_postfix(metrics, last_lfw))
+                stats = _IntervalStats()
+            bar.update(1)
+            if done % config.checkpoint_every == 0 or done == until:
+                _save_run_checkpoint(run, done, metrics)
+    finally:
+        bar.close()
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+    return _LoopResult(history, metrics, last_lfw, train_seconds, done)
 
-    summary: dict[str, Any] = {}
-    if ctx.is_main:
-        summary = {
-            "name": config.name,
-            "network": config.network,
-            "head": config.head,
-            "head_options": config.head_options,
-            "init_from": config.init_from,
-            "steps": config.steps,
-            "batch_size": config.batch_size,
-            "processes": ctx.world_size,
-            "device": str(ctx.device),
-            "precision": "bf16" if bf16 else "fp32",
-            "loader": loader_kind,
-            "num_images": data.num_images,
-            "num_classes": data.num_classes,
-            "epochs": config.steps * config.batch_size / data.num_images,
-            "train_seconds_this_session": train_seconds,
-            "mean_images_per_s": float(np.mean([h["images_per_s"] for h in history])) if history else None,
-            "final": metrics,
-            "lfw": last_lfw,
-            **_classifier_geometry(model.head),
-            "checkpoint": str(checkpoint_path),
-        }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        try:
-            title = f"{config.name}: {config.network} + {config.head}"
-            plot_training_curves(run_dir / "log.csv", run_dir / "curves.png", title)
-        except Exception as exc:  # a plot must never lose a finished run
-            log.warning("could not plot the training curves: %s", exc)
-    if ctx.world_size > 1:
-        import torch.distributed as dist
 
-        dist.destroy_process_group()
-    return TrainResult(run_dir=run_dir, steps=config.steps, summary=summary)
+def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[str, Any]:
+    config, ctx, data = run.config, run.ctx, run.data
+    summary = {
+        "name": config.name,
+        "network": config.network,
+        "head": config.head,
+        "head_options": config.head_options,
+        "init_from": config.init_from,
+        "seed": config.seed,
+        "steps": config.steps,
+        "batch_size": config.batch_size,
+        "processes": ctx.world_size,
+        "device": str(ctx.device),
+        "precision": "bf16" if run.bf16 else "fp32",
+        "loader": run.loader_kind,
+        "data": config.data_paths,
+        "min_photos_per_identity": config.min_photos_per_identity,
+        "num_images": data.num_images,
+        "num_classes": data.num_classes,
+        "epochs": config.steps * config.batch_size / data.num_images,
+        "train_seconds_this_session": loop.train_seconds,
+        "mean_images_per_s": float(np.mean([h["images_per_s"] for h in loop.history]))
+        if loop.history
+        else None,
+        "final": loop.metrics,
+        "first_feature_norm": run.first_feature_norm,
+        "lfw": loop.last_lfw,
+        "lfw_landmarks": config.lfw_landmarks if config.lfw else None,
+        **_classifier_geometry(run.model.head),
+        "rank_weight_checksums": checksums,
+        "checkpoint": str(run.checkpoint_path),
+    }
+    run_dir = config.run_dir
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        title = f"{config.name}: {config.network} + {config.head}"
+        plot_training_curves(run_dir / "log.csv", run_dir / "curves.png", title)
+    except Exception as exc:  # a plot must never lose a finished run
+        log.warning("could not plot the training curves: %s", exc)
+    return summary
+
+
+def train(
+    config: TrainConfig, *, resume: bool = False, progress: bool = True, until_step: int | None = None
+) -> TrainResult:
+    """Train ``config``; returns the run folder and its summary (what ``summary.json`` holds).
+
+    ``until_step`` stops the session after that step with a checkpoint (for time-limited jobs:
+    ``resume=True`` continues it exactly); the summary is written only when the run reaches
+    ``config.steps``.
+
+    Raises:
+        ConfigError: the run folder already has a checkpoint and ``resume`` is False, or the
+            config does not fit the data (e.g. a batch larger than the dataset).
+        FloatingPointError: the loss became NaN or infinite.
+        FeatureCollapseError: the features collapsed towards 0 (``feature_norm_collapse``).
+    """
+    config.validate()
+    until = config.steps if until_step is None else min(int(until_step), config.steps)
+    ctx = _init_distributed(config.device)
+    try:
+        run = _set_up_run(config, ctx, resume)
+        loop = _train_loop(run, until, progress)
+        summary: dict[str, Any] = {}
+        if loop.stopped_at == config.steps:
+            checksums = _gather_objects(_weights_checksum(run.model), ctx)
+            if ctx.is_main:
+                summary = _write_summary(run, loop, checksums)
+    finally:
+        if ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return TrainResult(run_dir=config.run_dir, steps=loop.stopped_at, summary=summary)
 
 
 def _init_from(model: FaceClassifier, path: str) -> None:
