@@ -363,6 +363,12 @@ def test_training_on_two_prepared_folders_with_a_minimum_of_photos(tiny_prepared
     expected = sorted(n for n, c in kept.items() if c >= counts[1])
     assert result.summary["num_classes"] == len(expected)
     assert result.summary["num_images"] == sum(kept[n] for n in expected)
+    # The exported model says what it was trained on: both folders, merged, with the minimum.
+    from training.export import export_checkpoint
+
+    manifest, _ = export_checkpoint(result.run_dir, tmp_path / "model", progress=False)
+    assert f"at least {counts[1]} faces each): {result.summary['num_images']} faces" in manifest.training_data
+    assert manifest.training_data.count("faces of") == 3  # each folder, then the set
 
 
 @pytest.mark.shared_data

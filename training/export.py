@@ -27,16 +27,31 @@ DEFAULT_LICENCE = (
 
 
 def _training_data_text(config: dict[str, Any]) -> str:
-    manifest_path = Path(config["data"]) / "manifest.json"
-    try:
-        data = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return f"prepared dataset {config['data']}"
-    return (
-        f"{Path(data.get('source', config['data'])).name}: {data.get('num_images')} faces of "
-        f"{data.get('num_classes')} "
-        "identities, detected and aligned by sphereface prepare (MTCNN, SphereFace 112x96 template)"
-    )
+    """What the run trained on, from the prepared folders' manifests (one or several folders)."""
+    from training.prepare import DatasetError, load_training_set
+
+    paths = [config["data"]] if isinstance(config["data"], str) else list(config["data"])
+    minimum = int(config.get("min_photos_per_identity", 1))
+    sources = []
+    for path in paths:
+        try:
+            data = json.loads((Path(path) / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            sources.append(f"prepared dataset {path}")
+            continue
+        name = Path(data.get("source", path)).name
+        sources.append(f"{name} ({data.get('num_images')} faces of {data.get('num_classes')} identities)")
+    text = " + ".join(sources)
+    if len(paths) > 1 or minimum > 1:
+        try:
+            combined = load_training_set(paths, minimum)
+            text += (
+                f", trained as one set (identities merged by name, at least {minimum} faces each): "
+                f"{combined.num_images} faces of {combined.num_classes} identities"
+            )
+        except DatasetError:
+            text += f", at least {minimum} faces per identity"
+    return text + "; detected and aligned by sphereface prepare (MTCNN, SphereFace 112x96 template)"
 
 
 def export_checkpoint(
