@@ -9,8 +9,8 @@ DLIB_MODEL := models/dlib_resnet_v1
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
 CELEBA := $(CACHE)/data/celeba_faces
-LOSS_RUNS := softmax modified_softmax asoftmax_m1 asoftmax_m2 asoftmax_m3 asoftmax_m4 sphereface_plus \
-	modified_softmax_finetune asoftmax_m4_finetune sphereface_plus_finetune
+CELEBA_SMALL := $(CACHE)/data/celeba_small
+LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
 
 .PHONY: install test lint serve models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
@@ -83,27 +83,40 @@ test: install
 serve: install
 	$(BIN)/sphereface serve
 
-# Training data: celeba_faces detected and aligned once into packed crops (about 1 minute).
+# Training data: celeba_faces and celeba_small detected and aligned once into packed crops (about
+# 1 minute each); the celeba_more configs train on both as one set.
 $(CELEBA)/manifest.json: | install
 	$(BIN)/sphereface prepare $(SHARED)/data/celeba_faces --out $(CELEBA)
 
-prepare-celeba: $(CELEBA)/manifest.json
+$(CELEBA_SMALL)/manifest.json: | install
+	$(BIN)/sphereface prepare $(SHARED)/data/celeba_small --out $(CELEBA_SMALL)
 
-# The loss comparison of docs/training.md: 7 SphereFace-4 runs of 300 steps and 3 fine-tunes of
-# 150 steps (about 7 and 4 minutes each on 2 cores), then the table.
+prepare-celeba: $(CELEBA)/manifest.json $(CELEBA_SMALL)/manifest.json
+
+# The loss comparison of docs/training.md §6: 8 SphereFace-4 runs of 2,000 steps on celeba_faces +
+# celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), each
+# exported and evaluated on MegaFace local-v1 (about 3 minutes each), then the table.
 loss-table: prepare-celeba
-	for run in $(LOSS_RUNS); do \
-		test -f runs/celeba/sf4_$$run/summary.json || \
-		$(BIN)/sphereface train training/configs/celeba/sf4_$$run.toml --no-progress || exit 1; \
+	printf '%s\n' $(LOSS_CONFIGS) | xargs -P 2 -I{} sh -c \
+		'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress'
+	for config in $(LOSS_CONFIGS); do \
+		run=runs/celeba_more/$$(basename $$config .toml); \
+		test -f $$run/model/model.onnx || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
+		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
+			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
 	done
-	$(BIN)/python -m training.loss_table $(addprefix runs/celeba/sf4_,$(LOSS_RUNS)) \
-		--json docs/results/loss_table.json --markdown docs/results/loss_table.md
+	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
+		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
+		--plot docs/results/loss_table_curves.png
 
-# Re-train the project's own SphereFace model (about 30 minutes on 2 cores) into models/sphereface_celeba.
+# Re-train the project's own SphereFace model (about 75 minutes on one core) into models/sphereface_celeba.
 sphereface-celeba-model: prepare-celeba
-	$(BIN)/sphereface train training/configs/celeba/default_mobilefacenet.toml
-	$(BIN)/sphereface export runs/celeba/default_mobilefacenet_m4 --out models/sphereface_celeba \
-		--name sphereface_mobilefacenet_celeba --version 1 --lfw $(SHARED)/data/lfw
+	$(BIN)/sphereface train training/configs/celeba_more/mobilefacenet_m4.toml
+	$(BIN)/sphereface export runs/celeba_more/mobilefacenet_m4 --out models/sphereface_celeba \
+		--name sphereface_mobilefacenet_celeba --version 2 --lfw $(SHARED)/data/lfw
+	cp runs/celeba_more/mobilefacenet_m4/config.toml runs/celeba_more/mobilefacenet_m4/log.csv \
+		runs/celeba_more/mobilefacenet_m4/curves.png runs/celeba_more/mobilefacenet_m4/summary.json \
+		models/sphereface_celeba/
 
 # Training throughput, our loaders against a PIL-decoding DataLoader (on a GPU when there is one).
 bench-train: prepare-celeba

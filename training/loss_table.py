@@ -153,13 +153,47 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def plot_curves(run_dirs: list[Path], out: Path) -> Path:
+    """Training loss, accuracy and mean feature norm ||x|| of every run against step, one PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from training.trainer import read_log
+
+    fig = Figure(figsize=(15, 4.6), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    titles = ("training loss", "training accuracy (%, logits without margin)", "mean feature norm ||x||")
+    for run in run_dirs:
+        summary = json.loads((run / "summary.json").read_text())
+        cols = read_log(run / "log.csv")
+        label = _label(summary)
+        style = "--" if summary.get("seed") else "-"
+        series = (cols["loss"], 100 * cols["accuracy"], cols["feature_norm"])
+        for ax, values in zip(axes, series, strict=True):
+            ax.plot(cols["step"], values, style, lw=1.2, label=label)
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    axes[2].set_ylim(bottom=0)
+    axes[2].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="build the loss comparison table from finished runs")
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (with summary.json)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of every run's loss, accuracy and ||x||")
     args = parser.parse_args(argv)
     rows = collect(args.runs)
+    if args.plot:
+        plot_curves(args.runs, args.plot)
     table = markdown(rows)
     print(table)
     if args.json:
