@@ -101,7 +101,7 @@ loss-table: prepare-celeba
 		'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress'
 	for config in $(LOSS_CONFIGS); do \
 		run=runs/celeba_more/$$(basename $$config .toml); \
-		test -f $$run/model/model.onnx || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
+		test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
 		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
 			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
 	done
