@@ -472,27 +472,15 @@ def _process_state(loader: Any, device: torch.device) -> dict[str, Any]:
 
 def _restore_process_state(state: dict[str, Any], loader: Any, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuples(state["python"]))
+    random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
     loader.load_state_dict(state["loader"])
 
 
-def _as_tuples(value: Any) -> Any:
-    """``random.getstate()`` after a round trip through a checkpoint (lists back to tuples)."""
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
 def _gather_process_states(loader: Any, ctx: DistributedContext) -> list[dict[str, Any]]:
     """Every rank's :func:`_process_state`, in rank order (collective: every rank must call it)."""
-    mine = _process_state(loader, ctx.device)
-    if ctx.world_size == 1:
-        return [mine]
-    import torch.distributed as dist
-
-    states: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(states, mine)
-    return states
+    return _gather_objects(_process_state(loader, ctx.device), ctx)
 
 
 def _weights_checksum(module: nn.Module) -> str:
