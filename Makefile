@@ -12,7 +12,7 @@ CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
 
-.PHONY: install test lint serve models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -42,6 +42,16 @@ redis-server:
 	}
 
 install: $(BIN)/sphereface $(FNP_WHEEL) $(DLIB_MODEL)/model.onnx redis-server
+
+# The browser the page's tests drive: Debian's chromium and chromium-driver (about 120 MB, once).
+.PHONY: install-browser
+install-browser:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi; \
+		echo "chromium or chromedriver not on PATH: installing them with apt-get"; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends chromium chromium-driver; \
+	}
 
 # The reference MobileFaceNet (from ../shared/data; never shipped) as an ONNX model folder, with its
 # LFW accuracy and its cosine thresholds calibrated on every pair of LFW's photos (minutes, once).
@@ -75,9 +85,13 @@ default-model-results: install
 lint: install
 	$(BIN)/ruff check models training service tests bench
 
-test: install
+test: install install-browser
 	$(BIN)/ruff check models training service tests bench
 	$(BIN)/python -m pytest -q
+
+# Screenshots of the page in docs/screenshots, taken by its browser tests (README and docs/page.md).
+screenshots: install install-browser
+	SPHEREFACE_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_page_browser.py
 
 # The service on the default model (dlib's CC0 ResNet, converted into models/dlib_resnet_v1 by install).
 serve: install

@@ -20,6 +20,7 @@ from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
 from service.metrics import MetricsMiddleware, add_metrics_route, create_metrics
 from service.routes import faces, gallery, health, identify
+from service.routes.page import add_page
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ with the gallery in Redis.
   `verification` is set for a false-accept rate of 1e-3 per pair, `identification` for 1e-4.
 * Send the API key in the header `X-API-Key` (scope `read`: verify, embed, identify, read the
   gallery; scope `admin`: also change it). `/healthz`, `/readyz` and `/metrics` are open.
+* A page to try it in the browser is at `/`; this reference is also at `/redoc`.
 * Every error is JSON `{"code": ..., "message": ...}` with a 4xx status (503 when Redis is down).
 """
 
@@ -125,7 +127,12 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
         client.close()
 
     app = FastAPI(
-        title="SphereFace face service", version="0.2.0", description=DESCRIPTION, lifespan=lifespan
+        title="SphereFace face service",
+        version="0.2.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # add_page serves /docs and /redoc from local files, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -133,6 +140,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read)])
     app.include_router(identify.router, prefix="/v1")
     app.include_router(gallery.router, prefix="/v1")
+    add_page(app)
 
     def gallery_stats() -> tuple[int, int, int]:
         stats = app.state.store.stats(app.state.pipeline.manifest.model_id)

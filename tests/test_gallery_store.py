@@ -202,6 +202,38 @@ def test_list_subjects_pages_in_creation_order(store: GalleryStore, rng):
             store.list_subjects(offset, limit)
 
 
+def test_search_subjects_by_id_or_name_in_any_case_across_batches(store: GalleryStore, rng, monkeypatch):
+    import service.gallery.store as store_module
+
+    monkeypatch.setattr(store_module, "SEARCH_BATCH", 3)  # 8 subjects: three round trips
+    people = {
+        "ada": "Ada Lovelace",
+        "alan.t": "Alan Turing",
+        "grace": "Grace Hopper",
+        "x17": "Annie Easley",
+        "katherine": None,
+        "dorothy": "Dorothy Vaughan",
+        "mary": "Mary Jackson",
+        "lovelace-fan": "Someone Else",
+    }
+    for sid, name in people.items():
+        store.create_subject(sid, name=name)
+    add_one(store, "grace", "m1", unit(rng))
+
+    def found(query: str, offset: int = 0, limit: int = 50) -> tuple[list[str], int]:
+        page, total = store.list_subjects(offset, limit, "m1", query=query)
+        return [s.id for s in page], total
+
+    assert found("LOVELACE") == (["ada", "lovelace-fan"], 2)  # a name and an id, in creation order
+    assert found("an") == (["alan.t", "x17", "dorothy", "lovelace-fan"], 4)  # "fan" too
+    assert found("an", offset=1, limit=2) == (["x17", "dorothy"], 4)  # paging within the matches
+    assert found("kath") == (["katherine"], 1)  # a subject without a name, found by its id
+    assert found("nobody") == ([], 0)
+    assert found("  ") == (list(people), 8)  # a blank query lists everyone
+    (grace,), _ = store.list_subjects(0, 5, "m1", query="hopper")
+    assert grace.face_count == 1
+
+
 def test_update_subject(store: GalleryStore):
     created = store.create_subject("carol", "Carol", {"team": "a", "level": 1})
 

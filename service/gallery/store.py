@@ -48,6 +48,8 @@ from service.gallery.face_images import FaceRegion
 
 #: The change stream keeps about this many entries; a worker further behind reloads fully.
 STREAM_MAXLEN = 1_000_000
+#: Subjects whose names one pipelined round trip reads while searching the subject list.
+SEARCH_BATCH = 1000
 
 _ADD_FACE = """
 -- KEYS: subject, subject faces, face, model faces, photo, rev, changes
@@ -334,27 +336,64 @@ class GalleryStore:
         return {sid: (_s(n) or None) for sid, n in zip(subject_ids, names, strict=True)}
 
     def list_subjects(
-        self, offset: int = 0, limit: int = 50, model_id: str | None = None
+        self, offset: int = 0, limit: int = 50, model_id: str | None = None, query: str | None = None
     ) -> tuple[list[Subject], int]:
-        """A page of subjects in creation order (face counts as :meth:`get_subject`), and the total."""
+        """A page of subjects in creation order (face counts as :meth:`get_subject`), and the total.
+
+        ``query`` keeps the subjects whose id or name contains it (case-insensitive); the total is
+        then the number of matches. Searching reads every subject's name (in pipelined batches of
+        :data:`SEARCH_BATCH`): fine for thousands of subjects, linear in their number.
+        """
         if offset < 0 or limit < 1:
             # ZRANGE 0 -1 would be the whole set, and negative offsets count from the end.
             raise InvalidRequestError(f"offset must be >= 0 and limit >= 1, not {offset} and {limit}")
+        if query and query.strip():
+            matches = self.search_subject_ids(query)
+            total, ids = len(matches), matches[offset : offset + limit]
+        else:
+            with _redis_errors():
+                total = self.redis.zcard(self.subjects_key)
+                ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
+        return self._subjects(ids, model_id), total
+
+    def search_subject_ids(self, query: str) -> list[str]:
+        """Ids of the subjects whose id or name contains ``query`` (case-insensitive), in creation order."""
+        needle = query.strip().casefold()
+        found: list[str] = []
+        with _redis_errors():
+            start = 0
+            while True:
+                batch = self.redis.zrange(self.subjects_key, start, start + SEARCH_BATCH - 1)
+                ids = [i.decode() for i in batch]
+                if not ids:
+                    break
+                pipe = self.redis.pipeline(transaction=False)
+                for sid in ids:
+                    pipe.hget(self.subject_key(sid), "name")
+                names = pipe.execute()
+                found += [
+                    sid
+                    for sid, name in zip(ids, names, strict=True)
+                    if needle in sid.casefold() or needle in (_s(name) or "").casefold()
+                ]
+                start += SEARCH_BATCH
+        return found
+
+    def _subjects(self, ids: Sequence[str], model_id: str | None) -> list[Subject]:
+        """The subjects ``ids`` (those deleted meanwhile left out), with their face counts."""
         per_subject = 1
         with _redis_errors():
-            total = self.redis.zcard(self.subjects_key)
-            ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
             pipe = self.redis.pipeline(transaction=False)
             for sid in ids:
                 pipe.hgetall(self.subject_key(sid))
                 per_subject = 1 + self._queue_counts(pipe, sid, model_id)
-            replies = pipe.execute()
+            replies = pipe.execute() if ids else []
         subjects = []
         for i in range(len(ids)):
             record, *counts = replies[per_subject * i : per_subject * (i + 1)]
             if record and b"created_at" in record:
                 subjects.append(self._subject(record, counts))
-        return subjects, total
+        return subjects
 
     def update_subject(
         self,

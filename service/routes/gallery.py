@@ -97,8 +97,13 @@ def list_subjects(
     model_id: ModelId,
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    q: Annotated[
+        str | None,
+        Query(max_length=128, description="only subjects whose id or name contains this (any case)"),
+    ] = None,
 ) -> SubjectPage:
-    subjects, total = store.list_subjects(offset, limit, model_id)
+    """`total` counts the subjects that match `q` (all subjects without it)."""
+    subjects, total = store.list_subjects(offset, limit, model_id, query=q)
     following = offset + limit
     return SubjectPage(
         subjects=[_subject(s) for s in subjects],
