@@ -236,6 +236,32 @@ def test_verify_a_genuine_and_an_impostor_pair(page, gallery, photos_dir, defaul
     assert page.console_problems() == []
 
 
+DROP_FILE = """
+const [selector, name, b64] = arguments;
+const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+const transfer = new DataTransfer();
+transfer.items.add(new File([bytes], name, { type: "image/jpeg" }));
+const zone = document.querySelector(selector);
+for (const type of ["dragenter", "dragover", "drop"]) {
+  zone.dispatchEvent(new DragEvent(type, { dataTransfer: transfer, bubbles: true, cancelable: true }));
+}
+"""
+
+
+def test_photos_dropped_on_the_page(page, gallery, photos_dir):
+    page.open()
+    first, second = photos(photos_dir, "biden")[:2]
+    for n, path in ((1, first), (2, second)):
+        data = base64.b64encode(path.read_bytes()).decode()
+        page.driver.execute_script(DROP_FILE, f"#verify-slot-{n} .drop", f"dropped-{path.name}", data)
+        page.wait(
+            lambda d, n=n, path=path: page.text(f"#verify-slot-{n} figcaption") == f"dropped-{path.name}"
+        )
+    page.find("#verify-run").click()
+    page.wait(lambda d: page.visible("#verify-result"))
+    assert page.text("#verify-decision") == "Same person"
+
+
 def test_a_text_file_gets_the_api_message(page, gallery, photos_dir, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("these are not the pixels you are looking for\n")
