@@ -36,6 +36,7 @@ def decode_image(
         raise UnreadableImageError("the image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise ImageTooLargeError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
+    too_large = f"the limit is {max_pixels:,} pixels"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -43,21 +44,43 @@ def decode_image(
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageTooLargeError(
-                    f"the image is {width}x{height} = {width * height} pixels; "
-                    f"the limit is {max_pixels} pixels"
+                    f"the image is {width}x{height} = {width * height:,} pixels; {too_large}"
                 )
             image.load()
             image = ImageOps.exif_transpose(image)
-            rgb = image.convert("RGB")
+            rgb = _to_rgb(image)
     except ImageTooLargeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageTooLargeError(f"the image is too large to decode safely: {exc}") from exc
+        # Pillow's own guard (far above ours) fires before the size is known: quote our limit.
+        raise ImageTooLargeError(f"the image is too large to decode; {too_large}") from exc
     except UnidentifiedImageError as exc:
         raise UnreadableImageError("the data is not an image in a format that can be read") from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise UnreadableImageError(f"the image could not be decoded: {exc}") from exc
-    return np.asarray(rgb, dtype=np.uint8)
+    except MemoryError as exc:
+        raise ImageTooLargeError(
+            f"the image needs more memory to decode than the service has; {too_large}"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - every decoder's failure (AVIF RuntimeError, DDS NotImplementedError, ...)
+        raise UnreadableImageError(
+            f"the image could not be decoded ({type(exc).__name__}: {exc})"[:300]
+        ) from exc
+    return rgb
+
+
+def _to_rgb(image: Image.Image) -> np.ndarray:
+    """An RGB uint8 array of any Pillow mode; 16- and 32-bit greyscale are scaled, not clipped
+    (Pillow's ``convert("RGB")`` turns every value above 255 white)."""
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        grey = np.asarray(image).astype(np.float32)
+        peak = 65535.0 if image.mode.startswith("I;16") or grey.max(initial=0) > 255 else 255.0
+        grey8 = np.clip(np.rint(grey * (255.0 / peak)), 0, 255).astype(np.uint8)
+        return np.repeat(grey8[:, :, None], 3, axis=2)
+    if image.mode == "F":
+        grey = np.asarray(image, dtype=np.float32)
+        scale = 255.0 if float(np.nanmax(grey, initial=0.0)) <= 1.0 else 1.0
+        grey8 = np.clip(np.rint(np.nan_to_num(grey) * scale), 0, 255).astype(np.uint8)
+        return np.repeat(grey8[:, :, None], 3, axis=2)
+    return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
 def read_image(path: str | Path, **limits: int) -> np.ndarray:

@@ -91,8 +91,8 @@ class FacePipeline:
         if policy == "reject":
             if len(found) > 1:
                 raise MultipleFacesError(
-                    f"the photo shows {len(found)} faces; send a photo of one face "
-                    "or choose another multiple-face policy (largest, central, all)"
+                    f"the photo shows {len(found)} faces; send a photo of one face, "
+                    "or ask for its largest or most central face (policy largest or central)"
                 )
             chosen = found
         else:

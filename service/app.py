@@ -9,12 +9,14 @@ import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError
 from models.pipeline import FacePipeline
-from service.auth import require_read
-from service.errors import RedisSetupError, RedisUnavailableError, RequestTooLargeError
+from service.auth import AuthGate, require_read
+from service.errors import RedisSetupError, RedisUnavailableError, RequestTooLargeError, redis_unavailable
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
@@ -76,6 +78,20 @@ class BodyLimit:
         return await self.app(scope, counted, send)
 
 
+def redis_client(url: str, timeout: float) -> redis.Redis:
+    """A client that gives up on a stalled Redis after ``timeout`` seconds without retrying (the
+    caller answers 503 at once), retries once a connection that was refused or dropped (free, and
+    what a restarted Redis needs for its pooled connections), and reconnects by itself."""
+    return redis.Redis.from_url(
+        url,
+        protocol=2,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        health_check_interval=30,
+    )
+
+
 def make_search(settings: Settings, store: GalleryStore, model_id: str, dim: int):
     """The identification search the settings ask for (numpy in process, or Redis KNN)."""
     if settings.search == "redis":
@@ -106,25 +122,22 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
                 "no Redis for the gallery: set REDIS_URL (e.g. redis://localhost:6379/0), "
                 "or run `sphereface serve`, which starts a local redis-server"
             )
-        client = redis.Redis.from_url(
-            settings.redis_url,
-            protocol=2,
-            socket_connect_timeout=5,
-            socket_timeout=30,
-            health_check_interval=30,
-        )
+        client = redis_client(settings.redis_url, settings.redis_timeout)
         app.state.redis = client
+        app.state.redis_probe = redis_client(settings.redis_url, min(0.5, settings.redis_timeout / 2))
         app.state.store = store = GalleryStore(
             client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
         )
         app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
         try:
+            store.ensure_schema()  # a gallery written by an older version (readyz retries it)
             if isinstance(app.state.search, LiveIndex):
                 app.state.search.refresh()  # load the gallery before the first request
         except RedisUnavailableError as exc:
             log.warning("gallery not loaded yet (%s); /readyz says so until Redis answers", exc.message)
         yield
         client.close()
+        app.state.redis_probe.close()
 
     app = FastAPI(
         title="SphereFace face service",
@@ -148,6 +161,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
 
     add_metrics_route(app, metrics, gallery_stats)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(AuthGate)  # runs before BodyLimit and the routes: keys before bodies
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(FacePathError)
@@ -157,11 +171,14 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def redis_down(_: Request, exc: redis.RedisError) -> JSONResponse:
-        error = RedisUnavailableError(f"the gallery's Redis is unreachable: {exc}")
+        error = redis_unavailable(exc)
         return JSONResponse(status_code=error.http_status, content=error.as_dict())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, FacePathError):  # FastAPI's 400 for a body it could not read
+            cause = exc.__cause__
+            return JSONResponse(status_code=cause.http_status, content=cause.as_dict())
         code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
         return JSONResponse(
             status_code=exc.status_code,

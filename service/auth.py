@@ -29,6 +29,8 @@ from typing import Annotated, Literal
 
 import redis as redis_lib
 from fastapi import Request, Security
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 
 from service.errors import (
@@ -36,6 +38,8 @@ from service.errors import (
     InvalidApiKeyError,
     MissingApiKeyError,
     RedisUnavailableError,
+    ServiceError,
+    redis_unavailable,
 )
 
 Scope = Literal["read", "admin"]
@@ -116,7 +120,7 @@ def _redis_errors(doing: str) -> Iterator[None]:
     try:
         yield
     except (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError) as exc:
-        raise RedisUnavailableError(f"Redis is unavailable, cannot {doing}: {exc}") from exc
+        raise redis_unavailable(exc, doing) from exc
 
 
 def parse_key(key: str) -> str | None:
@@ -215,28 +219,59 @@ def authenticate(
     return Principal(key_id=key_id, scope=scope_text)
 
 
+def request_principal(state, presented: str | None) -> Principal:
+    """Who sends a request with the key ``presented``, under the app's settings (typed errors)."""
+    settings = state.settings
+    if settings.auth == "off":
+        return Principal(key_id=AUTH_OFF_ID, scope="admin")
+    env_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    return authenticate(
+        getattr(state, "redis", None), presented, env_key=env_key, prefix=settings.redis_prefix
+    )
+
+
+class AuthGate:
+    """Authenticate every ``/v1`` request before anything reads its body (ASGI middleware).
+
+    FastAPI reads and parses a route's body before it runs the route's dependencies, so without
+    this gate a request with no key or a wrong one could make the service read (and parse) up to
+    the body limit before being told 401. The routes' dependencies then only check the scope.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        presented = None
+        for name, value in scope.get("headers") or ():
+            if name == HEADER_NAME.lower().encode():
+                presented = value.decode("latin-1")
+                break
+        try:
+            principal = await run_in_threadpool(request_principal, scope["app"].state, presented)
+        except ServiceError as exc:
+            response = JSONResponse(status_code=exc.http_status, content=exc.as_dict())
+            return await response(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        return await self.app(scope, receive, send)
+
+
 def _requirement(needed: Scope):
     """A FastAPI dependency that lets a request through when its key has scope ``needed``."""
 
     def dependency(
         request: Request, api_key: Annotated[str | None, Security(api_key_header)] = None
     ) -> Principal:
-        settings = request.app.state.settings
-        if settings.auth == "off":
-            principal = Principal(key_id=AUTH_OFF_ID, scope="admin")
-        else:
-            env_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
-            principal = authenticate(
-                getattr(request.app.state, "redis", None),
-                api_key,
-                env_key=env_key,
-                prefix=settings.redis_prefix,
+        principal = getattr(request.state, "principal", None)  # set by AuthGate for /v1
+        if principal is None:
+            principal = request_principal(request.app.state, api_key)
+        if not principal.allows(needed):
+            raise InsufficientScopeError(
+                f"this operation needs an API key with scope {needed!r}; "
+                f"the key {principal.key_id} has scope {principal.scope!r}"
             )
-            if not principal.allows(needed):
-                raise InsufficientScopeError(
-                    f"this operation needs an API key with scope {needed!r}; "
-                    f"the key {principal.key_id} has scope {principal.scope!r}"
-                )
         request.state.principal = principal
         return principal
 

@@ -607,6 +607,7 @@ def _run_gallery(args: argparse.Namespace) -> int:
         store = GalleryStore(
             client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
         )
+        store.ensure_schema()
         if args.action == "models":
             counts = store.faces_per_model()
             for model_id, count in sorted(counts.items()):

@@ -6,7 +6,13 @@ the same way: HTTP ``http_status`` with JSON ``{"code": ..., "message": ...}``.
 
 from __future__ import annotations
 
+import logging
+
+import redis
+
 from models.errors import FacePathError
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(FacePathError):
@@ -73,6 +79,13 @@ class RequestTooLargeError(ServiceError):
     http_status = 413
 
 
+class TooManyPhotosError(ServiceError):
+    """More photos (or items) in one request than the service takes."""
+
+    code = "too_many_photos"
+    http_status = 413
+
+
 class RedisUnavailableError(ServiceError):
     code = "redis_unavailable"
     http_status = 503
@@ -83,3 +96,12 @@ class RedisSetupError(ServiceError):
 
     code = "redis_setup_failed"
     http_status = 500
+
+
+def redis_unavailable(exc: BaseException, doing: str = "") -> RedisUnavailableError:
+    """The 503 answer for a Redis that fails: the details (hosts, socket paths) go to the log only,
+    never to the client, who may not even have a key."""
+    kind = "did not answer in time" if isinstance(exc, redis.TimeoutError) else "cannot be reached"
+    log.warning("Redis %s%s: %s: %s", kind, f" ({doing})" if doing else "", type(exc).__name__, exc)
+    what = f", so the service cannot {doing}" if doing else ""
+    return RedisUnavailableError(f"the gallery's Redis {kind}{what}; try again shortly")

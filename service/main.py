@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from service.logs import uvicorn_log_config
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,11 @@ def serve(
             manifest.thresholds["verification"].far,
             settings.model,
         )
-    # uvicorn re-raises SIGTERM after its graceful shutdown; exit through Python instead so the
-    # local redis-server is stopped too.
+    # uvicorn finishes the requests in flight on SIGTERM or SIGINT (Ctrl-C), then raises the signal
+    # again: leave through Python (the local redis-server is stopped on the way) with status 0, a
+    # stop that was asked for.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     with gallery_redis(settings) as (url, _):
         settings = settings.model_copy(update={"redis_url": url})
         with redis.Redis.from_url(url, protocol=2) as client:
@@ -108,7 +111,13 @@ def serve(
         if settings.workers == 1:
             from service.app import create_app
 
-            uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+            uvicorn.run(
+                create_app(settings),
+                host=settings.host,
+                port=settings.port,
+                log_level="info",
+                log_config=uvicorn_log_config(),
+            )
             return 0
         # Several workers: each builds its app from the environment (service.main:app_from_env).
         for key, value in {**overrides, "redis_url": url}.items():
@@ -124,12 +133,14 @@ def serve(
             port=settings.port,
             workers=settings.workers,
             log_level="info",
+            log_config=uvicorn_log_config(),
         )
     return 0
 
 
 def _exit_on_signal(signum, _frame) -> None:
-    raise SystemExit(128 + signum)
+    log.info("stopped on %s", signal.Signals(signum).name)
+    raise SystemExit(0)
 
 
 def app_from_env():

@@ -15,12 +15,14 @@ system-wide) and the server process alone gets it through ``LD_LIBRARY_PATH``.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -83,6 +85,28 @@ def _log_tail(path: Path, lines: int = 15, start: int = 0) -> str:
         return "(no log)"
     tail = [line for line in text.splitlines()[-lines:] if line.strip()]
     return "\n".join(tail) if tail else "(log is empty)"
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that has Linux send the child SIGTERM when this process dies, even by
+    SIGKILL, so a local redis-server never outlives the service that started it (SIGTERM: Redis
+    fsyncs its append-only file and exits). None elsewhere, or off the main thread (the signal
+    follows the thread that forked, not the process)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 
 class LocalRedis:
@@ -273,6 +297,7 @@ class LocalRedis:
                     env=env,
                     # The server inherits the lock: it holds it as long as it runs, even after we exit.
                     pass_fds=(self._lock_fd,) if self._lock_fd is not None else (),
+                    preexec_fn=_die_with_parent(),
                 )
             except OSError as exc:
                 raise RedisSetupError(f"cannot run redis-server binary {binary}: {exc}") from exc

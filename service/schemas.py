@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ErrorResponse(BaseModel):
@@ -70,16 +71,23 @@ class Ready(BaseModel):
 Vector = Annotated[list[float], Field(min_length=1, max_length=4096)]
 
 
-class VerifyEmbeddings(BaseModel):
+class RequestBody(BaseModel):
+    """A JSON request body: a field the API does not know is an error that names it (a typo such
+    as ``nmae`` must not pass unnoticed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class VerifyEmbeddings(RequestBody):
     embedding1: Vector
     embedding2: Vector
 
 
-class FaceEmbeddings(BaseModel):
+class FaceEmbeddings(RequestBody):
     embeddings: list[Vector] = Field(min_length=1, description="one embedding per face, model's size")
 
 
-class BulkEmbeddings(BaseModel):
+class BulkEmbeddings(RequestBody):
     subjects: list[str] = Field(min_length=1, description="subject id of each embedding, same order")
     embeddings: list[Vector] = Field(min_length=1)
     create_subjects: bool = Field(False, description="create subjects that do not exist yet")
@@ -87,15 +95,50 @@ class BulkEmbeddings(BaseModel):
 
 # -- gallery --------------------------------------------------------------------------------
 MAX_METADATA_BYTES = 8192
+#: Characters that reorder or hide text (bidirectional controls, e.g. U+202E) are refused in names.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _no_surrogates(text: str, where: str) -> None:
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not text")
+
+
+def clean_name(value: str | None) -> str | None:
+    """A name as people read it: NFC-normalised, no control characters (NUL, ESC, line breaks,
+    tabs), no bidirectional overrides, no lone surrogates; surrounding spaces removed."""
+    if value is None:
+        return None
+    _no_surrogates(value, "the name")
+    bad = sorted({f"U+{ord(c):04X}" for c in value if unicodedata.category(c) == "Cc" or c in BIDI_CONTROLS})
+    if bad:
+        raise ValueError(f"the name holds control characters ({', '.join(bad)}): use plain text")
+    return unicodedata.normalize("NFC", value).strip()
+
+
+def _strings(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+    if value is None:
+        return value
+    for text in _strings(value):
+        _no_surrogates(text, "the metadata")
+    if len(json.dumps(value)) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON")
     return value
 
 
-class SubjectCreate(BaseModel):
+class SubjectCreate(RequestBody):
     id: str | None = Field(
         None,
         description="1-128 letters, digits or _ . - @ : (generated when left out)",
@@ -104,13 +147,15 @@ class SubjectCreate(BaseModel):
     name: str | None = Field(None, max_length=256, examples=["Alice Smith"])
     metadata: dict[str, Any] | None = Field(None, examples=[{"employee": 1042}])
 
+    _check_name = field_validator("name")(clean_name)
     _check_metadata = field_validator("metadata")(_small_metadata)
 
 
-class SubjectUpdate(BaseModel):
+class SubjectUpdate(RequestBody):
     name: str | None = Field(None, max_length=256)
     metadata: dict[str, Any] | None = Field(None, description="replaces the stored metadata")
 
+    _check_name = field_validator("name")(clean_name)
     _check_metadata = field_validator("metadata")(_small_metadata)
 
 

@@ -45,6 +45,13 @@ class Settings(BaseSettings):
     )
     data_dir: Path = Field(Path(".sphereface"), description="local redis-server data (AOF) and admin key")
     redis_prefix: str = Field("sf:", description="prefix of every key the service writes")
+    redis_timeout: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds to wait for Redis to connect or answer one command; a stalled Redis then "
+        "makes keyed requests answer 503 redis_unavailable (and /readyz within half of it, at most 0.5 s)",
+    )
     search: Literal["numpy", "redis"] = Field(
         "numpy", description="identification search: in-process numpy (exact) or Redis Query Engine KNN"
     )

@@ -58,12 +58,14 @@ class Service:
             time.sleep(0.2)
         raise AssertionError(f"serve not ready in {timeout} s: {self.log.read_text()[-3000:]}")
 
-    def stop(self) -> None:
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Send ``signum`` and wait (SIGKILL after 30 s); returns the exit status."""
         self.client.close()
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        return self.process.returncode

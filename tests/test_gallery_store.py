@@ -25,6 +25,7 @@ from service.gallery.store import (
     NewFace,
     check_embedding,
     embedding_sha256,
+    migrate_subject_faces_keys,
 )
 from tests.gallery_vectors import emb_face, near, random_unit
 
@@ -232,6 +233,40 @@ def test_search_subjects_by_id_or_name_in_any_case_across_batches(store: Gallery
     assert found("  ") == (list(people), 8)  # a blank query lists everyone
     (grace,), _ = store.list_subjects(0, 5, "m1", query="hopper")
     assert grace.face_count == 1
+
+
+def test_an_id_cannot_reach_another_subjects_keys(store: GalleryStore, rng):
+    """Before: the subject "victim:faces" had the key of victim's face set, and WRONGTYPE
+    errors broke the listing, enrollment and deletion of victim for everyone."""
+    store.create_subject("victim", name="Victim")
+    store.create_subject("victim:faces", name="Attacker")
+    add_one(store, "victim", "m1", unit(rng))
+    add_one(store, "victim:faces", "m1", unit(rng))
+    listed, total = store.list_subjects(0, 10, "m1")
+    assert total == 2 and [(s.id, s.face_count) for s in listed] == [("victim", 1), ("victim:faces", 1)]
+    assert store.get_subject("victim", "m1").name == "Victim"
+    assert store.delete_subject("victim") == 1
+    assert [s.id for s in store.list_subjects()[0]] == ["victim:faces"]
+    assert len(store.subject_faces("victim:faces")) == 1
+
+
+def test_face_sets_of_an_older_gallery_are_renamed_once(store: GalleryStore, redis_client, rng):
+    store.create_subject("ada")
+    face = add_one(store, "ada", "m1", unit(rng))
+    store.create_subject("x:faces")  # its hash has the old layout's face-set key of "x"
+    # the layout before version 0.3: the face set at P subject:{id}:faces, no schema marker
+    redis_client.rename("sf:subject-faces:ada", "sf:subject:ada:faces")
+    redis_client.delete("sf:schema")
+    assert store.subject_faces("ada") == []
+
+    fresh = GalleryStore(redis_client)
+    assert fresh.ensure_schema() == 1
+    assert [f.id for f in fresh.subject_faces("ada")] == [face.id]
+    assert not redis_client.exists("sf:subject:ada:faces")
+    assert fresh.get_subject("x:faces").id == "x:faces"  # a subject hash is not a face set
+    assert int(redis_client.get("sf:schema")) == 2
+    redis_client.rename("sf:subject-faces:ada", "sf:subject:ada:faces")
+    assert migrate_subject_faces_keys(redis_client) == 0  # recorded as done: no second scan
 
 
 def test_update_subject(store: GalleryStore):

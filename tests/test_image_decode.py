@@ -1,6 +1,8 @@
 """Decoding photo bytes: formats, EXIF orientation, and typed errors for bad input."""
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -57,7 +59,7 @@ def test_truncated_jpeg_raises_unreadable_image():
 
 def test_too_many_pixels_raises_before_decoding():
     data = _encode(Image.new("RGB", (200, 100)), "PNG")
-    with pytest.raises(ImageTooLargeError, match="20000 pixels") as info:
+    with pytest.raises(ImageTooLargeError, match="20,000 pixels") as info:
         decode_image(data, max_pixels=10_000)
     assert info.value.code == "image_too_large"
 
@@ -74,3 +76,56 @@ def test_read_image_names_the_file_in_its_error(tmp_path):
         read_image(bad)
     with pytest.raises(UnreadableImageError, match="missing.jpg"):
         read_image(tmp_path / "missing.jpg")
+
+
+def encoded(array: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_16_bit_greyscale_is_scaled_not_clipped_to_white():
+    """Before: Pillow's convert("RGB") clipped every 16-bit value above 255, so a 16-bit PNG
+    decoded all white and its face was not found."""
+    grey8 = np.random.default_rng(0).integers(0, 256, (40, 60), dtype=np.uint8)
+    grey16 = grey8.astype(np.uint16) * 257  # the same picture at 16 bits
+    assert Image.open(io.BytesIO(encoded(grey16))).mode.startswith("I;16")
+    from_16, from_8 = decode_image(encoded(grey16)), decode_image(encoded(grey8))
+    assert from_16.dtype == np.uint8 and from_16.shape == (40, 60, 3)
+    assert np.abs(from_16.astype(int) - from_8.astype(int)).max() <= 1
+
+
+@pytest.mark.shared_data
+def test_16_bit_greyscale_photo_of_a_face_is_found(photos_dir, default_model_dir):
+    from models.pipeline import FacePipeline
+
+    grey = np.asarray(Image.open(photos_dir / "people" / "obama" / "1.jpg").convert("L"))
+    pipeline = FacePipeline(default_model_dir)
+    faces_16 = pipeline.detector.detect(decode_image(encoded(grey.astype(np.uint16) * 257)))
+    faces_8 = pipeline.detector.detect(decode_image(encoded(grey)))
+    assert len(faces_16) == len(faces_8) == 1
+    assert np.abs(faces_16[0].box - faces_8[0].box).max() < 2
+
+
+def test_every_decoder_failure_is_unreadable_image():
+    """A DDS with a pixel format Pillow does not implement raised NotImplementedError: a 500."""
+    header = b"DDS " + struct.pack("<7I", 124, 0x1007, 4, 4, 0, 0, 0) + bytes(44)
+    pixel_format = struct.pack("<2I", 32, 0x4) + b"XYZ1" + bytes(20)
+    data = header + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0) + bytes(64)
+    with pytest.raises(UnreadableImageError, match="NotImplementedError"):
+        decode_image(data)
+
+
+def test_size_messages_quote_the_service_limit():
+    with pytest.raises(ImageTooLargeError, match="the limit is 1,000 pixels"):
+        decode_image(encoded(np.zeros((40, 40, 3), np.uint8)), max_pixels=1000)
+    # Pillow's own bomb guard (2x its MAX_IMAGE_PIXELS) fires inside Image.open: the message
+    # still gives the service's limit, not Pillow's internal one
+    huge = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(">2I5B", 20000, 20000, 8, 2, 0, 0, 0))
+    with pytest.raises(ImageTooLargeError) as caught:
+        decode_image(huge + _png_chunk(b"IEND", b""))
+    assert "40,000,000 pixels" in caught.value.message and "178956970" not in caught.value.message
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -202,6 +203,31 @@ def test_server_does_not_outlive_python(redis_server: LocalRedis, data_dir: Path
     assert not pid_alive(pid)
     with LocalRedis(data_dir / "orphan", binary=redis_server.binary) as again:
         assert again.client().get("k") == b"v"
+
+
+def test_server_stops_when_its_parent_is_killed(redis_server: LocalRedis, data_dir: Path):
+    """SIGKILL runs no atexit handler: before, the server outlived a killed `sphereface serve`,
+    and the next serve reused it without stopping it on exit."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from service.redis_server import LocalRedis
+        server = LocalRedis(Path({str(data_dir / "killed")!r}), binary={redis_server.binary!r}).start()
+        server.client().set("k", "v")
+        print(server.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 5
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid)
+    with LocalRedis(data_dir / "killed", binary=redis_server.binary) as again:
+        assert again.client().get("k") == b"v"  # SIGTERM: the AOF was fsynced on the way out
 
 
 def test_debian_redis_has_no_query_engine(redis_client: redis.Redis):

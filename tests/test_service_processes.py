@@ -12,6 +12,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.redis_server import LocalRedis
@@ -121,3 +122,29 @@ def test_two_service_processes_see_each_others_enrollments(
         a.stop()
         b.stop()
         redis.stop()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_the_service_and_its_redis_with_status_0(default_model_dir, workdir, signum):
+    """Before: `make serve` ended with `Error 143` on Ctrl-C."""
+    data = workdir / "data"
+    service = Service(default_model_dir, data)
+    redis_pid = int((data / "redis" / "redis.pid").read_text())
+    assert service.stop(signum) == 0, service.log.read_text()[-2000:]
+    with pytest.raises(ProcessLookupError):
+        os.kill(redis_pid, 0)
+    assert "Traceback" not in service.log.read_text()
+
+
+def test_a_key_in_the_address_is_not_written_to_the_log(default_model_dir, workdir):
+    service = Service(default_model_dir, workdir / "data")
+    secret = "Zm9vYmFyYmF6cXV4cXV1eHF1dXhxdXV4cXV1eA"
+    try:
+        r = httpx.get(f"{service.url}/v1/subjects?api_key=sfk_0123456789ab_{secret}&limit=5")
+        assert r.status_code == 401  # only the header is read
+        httpx.get(f"{service.url}/healthz?token=hunter2")
+    finally:
+        service.stop()
+    log = service.log.read_text()
+    assert "/v1/subjects?api_key=***&limit=5" in log and "/healthz?token=***" in log
+    assert secret not in log and "hunter2" not in log

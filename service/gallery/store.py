@@ -4,7 +4,9 @@ Keys (``P`` is the prefix, ``sf:`` by default):
 
 * ``P subject:{id}`` hash: ``id``, ``name``, ``metadata`` (JSON), ``created_at``, ``updated_at``;
   ``P subjects`` sorted set of subject ids by creation time (for paging);
-  ``P subject:{id}:faces`` set of the subject's face ids.
+  ``P subject-faces:{id}`` set of the subject's face ids. (Before version 0.3 this set was
+  ``P subject:{id}:faces``, which the subject ``{id}:faces`` could collide with;
+  :func:`migrate_subject_faces_keys` renames such sets once.)
 * ``P face:{face_id}`` hash: ``subject``, ``embedding`` (float32 little-endian bytes),
   ``model_id``, ``photo_sha256``, ``created_at``, ``box``, ``landmarks`` (JSON),
   ``detection_score``, ``source`` (``photo`` or ``embedding``).
@@ -39,15 +41,17 @@ from service.errors import (
     FaceNotFoundError,
     InvalidEmbeddingError,
     InvalidRequestError,
-    RedisUnavailableError,
     ServiceError,
     SubjectExistsError,
     SubjectNotFoundError,
+    redis_unavailable,
 )
 from service.gallery.face_images import FaceRegion
 
 #: The change stream keeps about this many entries; a worker further behind reloads fully.
 STREAM_MAXLEN = 1_000_000
+#: The layout of the gallery's keys; 2: a subject's face set is ``P subject-faces:{id}``.
+GALLERY_SCHEMA = 2
 #: Subjects whose names one pipelined round trip reads while searching the subject list.
 SEARCH_BATCH = 1000
 
@@ -85,7 +89,7 @@ for i = 3, #ARGV do
   local f = redis.call('HMGET', fkey, 'subject', 'model_id', 'photo_sha256')
   if f[1] then
     redis.call('DEL', fkey)
-    redis.call('SREM', p .. 'subject:' .. f[1] .. ':faces', fid)
+    redis.call('SREM', p .. 'subject-faces:' .. f[1], fid)
     redis.call('SREM', p .. 'model:' .. f[2] .. ':faces', fid)
     local pkey = p .. 'photo:' .. f[2] .. ':' .. f[3]
     if redis.call('GET', pkey) == fid then redis.call('DEL', pkey) end
@@ -229,18 +233,28 @@ class GalleryStore:
         self.redis = client
         self.prefix = prefix
         self.max_faces_per_subject = max_faces_per_subject
+        self._schema_checked = False
         self._create_subject = client.register_script(_CREATE_SUBJECT)
         self._update_subject = client.register_script(_UPDATE_SUBJECT)
         self._add_face = client.register_script(_ADD_FACE)
         self._remove_faces = client.register_script(_REMOVE_FACES)
         self._delete_subject = client.register_script(_DELETE_SUBJECT)
 
+    def ensure_schema(self) -> int:
+        """Bring an older gallery's keys to :data:`GALLERY_SCHEMA` (once per process and dataset)."""
+        if self._schema_checked:
+            return 0
+        moved = migrate_subject_faces_keys(self.redis, self.prefix)
+        self._schema_checked = True
+        return moved
+
     # -- keys -------------------------------------------------------------------------------
     def subject_key(self, subject_id: str) -> str:
         return f"{self.prefix}subject:{subject_id}"
 
     def subject_faces_key(self, subject_id: str) -> str:
-        return f"{self.prefix}subject:{subject_id}:faces"
+        # Not "subject:{id}:faces": the subject "{id}:faces" would have that key for its hash.
+        return f"{self.prefix}subject-faces:{subject_id}"
 
     def face_key(self, face_id: str) -> str:
         return f"{self.prefix}face:{face_id}"
@@ -630,6 +644,35 @@ class GalleryStore:
         return GalleryStats(subjects=subjects, faces=faces, revision=int(rev or 0))
 
 
+_MIGRATE_FACES_SET = """
+-- KEYS: old faces set (P subject:{id}:faces), new (P subject-faces:{id}), marker
+-- Moves one subject's face set to its new key, unless the old key is not a set (a subject hash).
+if redis.call('TYPE', KEYS[1]).ok ~= 'set' then return 0 end
+redis.call('SUNIONSTORE', KEYS[2], KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+def migrate_subject_faces_keys(client: redis.Redis, prefix: str = "sf:") -> int:
+    """Rename the face sets of a gallery written before version 0.3 (``P subject:{id}:faces``) to
+    ``P subject-faces:{id}``; returns how many were moved. Idempotent, and done once per Redis
+    dataset (the key ``P schema`` records it); safe while other workers serve."""
+    marker = f"{prefix}schema"
+    with _redis_errors():
+        if int(client.get(marker) or 0) >= GALLERY_SCHEMA:
+            return 0
+        move = client.register_script(_MIGRATE_FACES_SET)
+        moved = 0
+        start = len(f"{prefix}subject:")
+        for key in client.scan_iter(match=f"{prefix}subject:*:faces", count=1000, _type="SET"):
+            name = key.decode()
+            subject_id = name[start : -len(":faces")]
+            moved += int(move(keys=[name, f"{prefix}subject-faces:{subject_id}", marker]))
+        client.set(marker, GALLERY_SCHEMA)
+    return moved
+
+
 class _redis_errors:
     """Turn Redis connection failures into a typed 503 answer."""
 
@@ -638,5 +681,5 @@ class _redis_errors:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-            raise RedisUnavailableError(f"the gallery's Redis is unreachable: {exc}") from exc
+            raise redis_unavailable(exc) from exc
         return False

@@ -10,12 +10,13 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError, ImageTooLargeError
 from models.image import decode_image
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
-from service.errors import InvalidRequestError, ServiceError
+from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
 from service.metrics import Metrics
 from service.schemas import Face
 from service.settings import Settings
@@ -43,7 +44,15 @@ async def read_body(request: Request, model: type[BaseModel], *, max_files: int)
             )
             raise InvalidRequestError(problems) from exc
     if content_type == "multipart/form-data":
-        return await request.form(max_files=max_files, max_fields=max_files + 64)
+        try:
+            return await request.form(max_files=max_files, max_fields=max_files + 64)
+        except StarletteHTTPException as exc:  # Starlette's 400 for a form over its limits
+            detail = str(exc.detail)
+            if "Too many files" in detail:
+                raise TooManyPhotosError(f"at most {max_files} photos per request") from exc
+            if "Too many fields" in detail:
+                raise TooManyPhotosError(f"at most {max_files + 64} form fields per request") from exc
+            raise InvalidRequestError(f"the multipart form could not be read: {detail}") from exc
     raise UnsupportedMediaTypeError(
         "send photos as multipart/form-data or embeddings as application/json, "
         f"not {content_type or 'nothing'!r}"

@@ -8,7 +8,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from models.errors import FacePathError, ImageTooLargeError
+from models.errors import FacePathError
+from service.errors import TooManyPhotosError
 from service.gallery.store import check_embedding
 from service.routes.common import (
     FaceWork,
@@ -52,7 +53,10 @@ def embed(
     `unreadable_image`, `image_too_large`, `wrong_crop_size`) and a message."""
     settings, manifest = work.settings, work.pipeline.manifest
     if len(photos) > settings.max_photos_per_request:
-        raise ImageTooLargeError(f"at most {settings.max_photos_per_request} photos per request")
+        raise TooManyPhotosError(
+            f"{len(photos)} photos sent; at most {settings.max_photos_per_request} photos per request "
+            "(SPHEREFACE_MAX_PHOTOS_PER_REQUEST)"
+        )
     items: list[PhotoFacesOut] = []
     found: list[PhotoFaces | None] = []
     for index, upload in enumerate(photos):

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from models.errors import FacePathError, ImageTooLargeError
+from models.errors import FacePathError
 from service.auth import require_admin, require_read
-from service.errors import InvalidRequestError, NoFaceImageError, ServiceError
+from service.errors import InvalidRequestError, NoFaceImageError, ServiceError, TooManyPhotosError
 from service.gallery.face_images import cut_face_region
 from service.gallery.store import (
     FaceRecord,
@@ -37,6 +37,8 @@ from service.schemas import (
 )
 
 router = APIRouter(tags=["gallery"])
+#: Paging offsets above this are refused (422): Redis ranges are 64-bit, Python ints are not.
+MAX_OFFSET = 1_000_000_000
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 413, 415, 422, 503)}
 SubjectId = Annotated[str, Path(description="the subject's id", max_length=128)]
 EnrollPolicy = Annotated[
@@ -95,7 +97,7 @@ def create_subject(store: Store, body: SubjectCreate) -> SubjectOut:
 def list_subjects(
     store: Store,
     model_id: ModelId,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     q: Annotated[
         str | None,
@@ -262,7 +264,10 @@ async def enroll(
     if len(subjects) != len(payload):
         raise InvalidRequestError(f"got {len(payload)} photos or embeddings but {len(subjects)} subject ids")
     if len(payload) > limit:
-        raise ImageTooLargeError(f"at most {limit} items per bulk enrollment request")
+        raise TooManyPhotosError(
+            f"{len(payload)} items sent; at most {limit} per bulk enrollment request "
+            "(SPHEREFACE_MAX_BULK_ITEMS)"
+        )
     for sid in subjects:
         check_subject_id(sid)
     created = await run_in_threadpool(store.ensure_subjects, subjects) if create_subjects else []

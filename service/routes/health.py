@@ -3,7 +3,7 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service.errors import RedisUnavailableError
+from service.errors import RedisUnavailableError, redis_unavailable
 from service.schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
@@ -27,12 +27,13 @@ def readyz(request: Request):
         return JSONResponse(status_code=503, content={"status": "loading", "message": "the model is loading"})
     ready = Ready(status="ready", model_id=pipeline.manifest.model_id, provider=pipeline.embedder.provider)
     try:
-        state.redis.ping()
+        state.redis_probe.ping()  # a short timeout of its own: a stalled Redis answers 503 fast
+        state.store.ensure_schema()
         refresh = getattr(state.search, "refresh", None)
         ready.gallery_revision = refresh() if refresh else None
         ready.gallery_faces = len(state.search)
     except Exception as exc:  # any Redis failure means not ready
-        error = exc if isinstance(exc, RedisUnavailableError) else RedisUnavailableError(str(exc))
+        error = exc if isinstance(exc, RedisUnavailableError) else redis_unavailable(exc, "check the gallery")
         ready.status, ready.message = (
             "redis_unavailable",
             f"the gallery's Redis does not answer: {error.message}",
