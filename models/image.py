@@ -83,6 +83,17 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
+def image_size(stream) -> tuple[int, int] | None:
+    """(width, height) from an image's header without decoding its pixels; None if unreadable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(stream) as image:
+                return image.size
+    except Exception:  # noqa: BLE001 - decode_image reports what is wrong with it
+        return None
+
+
 def read_image(path: str | Path, **limits: int) -> np.ndarray:
     """Read and decode an image file; see :func:`decode_image`."""
     try:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError
 from models.pipeline import FacePipeline
+from service.admission import Admission, PixelBudget, default_face_limit
 from service.auth import AuthGate, require_read
 from service.errors import RedisSetupError, RedisUnavailableError, RequestTooLargeError, redis_unavailable
 from service.gallery.index import LiveIndex
@@ -162,6 +163,14 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     add_metrics_route(app, metrics, gallery_stats)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(AuthGate)  # runs before BodyLimit and the routes: keys before bodies
+    face_limit = settings.max_face_requests or default_face_limit()
+    app.add_middleware(
+        Admission,
+        limit=face_limit,
+        queue=settings.max_queued_requests if settings.max_queued_requests is not None else 4 * face_limit,
+        wait=settings.queue_wait,
+    )  # before the key check: an overloaded worker sheds load without a Redis round trip
+    app.state.pixel_budget = PixelBudget(settings.decode_pixel_budget or 2 * settings.max_image_pixels)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(FacePathError)

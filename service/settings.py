@@ -65,6 +65,27 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="whole request body")
     max_bulk_items: int = Field(256, gt=0, description="photos per bulk enrollment request")
 
+    # -- back-pressure ----------------------------------------------------------------------
+    max_face_requests: int | None = Field(
+        None,
+        ge=1,
+        description="face-path requests (verify, embed, identify, enroll) at work at once per "
+        "worker; null: one per CPU core, at least 2",
+    )
+    max_queued_requests: int | None = Field(
+        None,
+        ge=0,
+        description="face-path requests waiting for a turn per worker (null: 4 per slot); "
+        "beyond them the answer is 503 overloaded with Retry-After",
+    )
+    queue_wait: float = Field(10.0, gt=0, description="seconds a queued request waits before 503 overloaded")
+    decode_pixel_budget: int | None = Field(
+        None,
+        gt=0,
+        description="pixels of photos decoded and held at full size at once per worker "
+        "(null: twice max_image_pixels); photos beyond it wait for their turn",
+    )
+
     # -- access -----------------------------------------------------------------------------
     api_key: SecretStr | None = Field(
         None, description="an admin API key accepted besides the keys stored (hashed) in Redis"

@@ -27,13 +27,20 @@ def free_port() -> int:
 class Service:
     """One `sphereface serve` process."""
 
-    def __init__(self, model: Path, data_dir: Path, redis_url: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        data_dir: Path,
+        redis_url: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPHEREFACE_REDIS_URL")}
         env.update(SPHEREFACE_API_KEY=KEY, SPHEREFACE_INTRA_OP_THREADS="1")
         if redis_url:
             env["REDIS_URL"] = redis_url
+        env.update(extra_env or {})
         command = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)]
         command += ["--model", str(model), "--data-dir", str(data_dir)]
         self.log = data_dir.parent / f"service-{self.port}.log"
@@ -57,6 +64,13 @@ class Service:
                 pass
             time.sleep(0.2)
         raise AssertionError(f"serve not ready in {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def rss_mib(self) -> float:
+        """Resident memory of the service process (one worker: the app runs in it), in MiB."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
 
     def stop(self, signum: int = signal.SIGTERM) -> int:
         """Send ``signum`` and wait (SIGKILL after 30 s); returns the exit status."""

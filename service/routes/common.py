@@ -13,10 +13,12 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError, ImageTooLargeError
-from models.image import decode_image
+from models.image import decode_image, image_size
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
+from service.admission import PixelBudget
 from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
+from service.gallery.face_images import FaceRegion, cut_face_region
 from service.metrics import Metrics
 from service.schemas import Face
 from service.settings import Settings
@@ -68,21 +70,25 @@ def form_files(form: FormData, name: str, *, required: bool = True) -> list[Uplo
 
 @dataclass
 class PhotoFaces:
-    """One uploaded photo after decoding and detection (before embedding)."""
+    """One uploaded photo after decoding and detection (before embedding). The full-size photo is
+    not kept: only the aligned crops and, when asked for, the stored region of the first face."""
 
     sha256: str
     faces: list[DetectedFace]
     crops: np.ndarray
-    image: np.ndarray
+    region: FaceRegion | None = None
 
 
 class FaceWork:
     """Photos to faces to embeddings, each stage timed in the metrics."""
 
-    def __init__(self, pipeline: FacePipeline, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, pipeline: FacePipeline, settings: Settings, metrics: Metrics, budget: PixelBudget | None = None
+    ) -> None:
         self.pipeline = pipeline
         self.settings = settings
         self.metrics = metrics
+        self.budget = budget or PixelBudget(2 * settings.max_image_pixels)
 
     def read(self, upload: UploadFile) -> tuple[np.ndarray, str]:
         """Read and decode an upload within the limits; returns the image and the bytes' SHA-256."""
@@ -100,17 +106,33 @@ class FaceWork:
                 raise
         return image, hashlib.sha256(data).hexdigest()
 
-    def detect(self, upload: UploadFile, policy: str) -> PhotoFaces:
-        """Decode, detect, select (policy) and align; typed errors name the photo."""
-        image, sha = self.read(upload)
-        try:
-            with self.metrics.stage("detect"):
-                faces, crops = self.pipeline.crops(image, policy)
-        except FacePathError as exc:
-            exc.message = f"{upload.filename or 'photo'}: {exc.message}"
-            raise
+    def detect(self, upload: UploadFile, policy: str, *, region: bool = False) -> PhotoFaces:
+        """Decode, detect, select (policy) and align, within the worker's pixel budget; typed
+        errors name the photo. ``region``: also cut the stored region of the first face."""
+        with self.budget.hold(self._pixels(upload)):
+            image, sha = self.read(upload)
+            try:
+                with self.metrics.stage("detect"):
+                    faces, crops = self.pipeline.crops(image, policy)
+            except FacePathError as exc:
+                exc.message = f"{upload.filename or 'photo'}: {exc.message}"
+                raise
+            cut = cut_face_region(image, faces[0].box, faces[0].landmarks) if region else None
+            del image  # the full-size photo goes before the budget is handed on
         self.metrics.count_faces(len(faces))
-        return PhotoFaces(sha, faces, crops, image)
+        return PhotoFaces(sha, faces, crops, cut)
+
+    def read_aligned(self, upload: UploadFile) -> tuple[np.ndarray, str]:
+        """Decode a photo that is already an aligned crop, within the pixel budget."""
+        with self.budget.hold(self._pixels(upload)):
+            return self.read(upload)
+
+    def _pixels(self, upload: UploadFile) -> int:
+        """The photo's pixel count from its header (0 when unreadable: decoding will say why)."""
+        upload.file.seek(0)
+        size = image_size(upload.file)
+        upload.file.seek(0)
+        return size[0] * size[1] if size else 0
 
     def embed(self, crops: list[np.ndarray] | np.ndarray) -> np.ndarray:
         """Embed aligned crops in batches (one array per photo, or one stacked array)."""
@@ -128,7 +150,7 @@ class FaceWork:
 
 def get_face_work(request: Request) -> FaceWork:
     state = request.app.state
-    return FaceWork(state.pipeline, state.settings, state.metrics)
+    return FaceWork(state.pipeline, state.settings, state.metrics, state.pixel_budget)
 
 
 def openapi_body(

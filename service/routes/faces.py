@@ -64,7 +64,7 @@ def embed(
         photo = None
         try:
             if aligned:
-                image, sha = work.read(upload)
+                image, sha = work.read_aligned(upload)
                 expected = (manifest.input_height, manifest.input_width, 3)
                 if image.shape != expected:
                     item.status, item.message = (
@@ -73,7 +73,7 @@ def embed(
                         f"{image.shape[1]}x{image.shape[0]}",
                     )
                 else:
-                    photo = PhotoFaces(sha, [], image[None], image)
+                    photo = PhotoFaces(sha, [], image[None])
             else:
                 photo = work.detect(upload, faces)
         except FacePathError as exc:

@@ -10,7 +10,6 @@ from fastapi.concurrency import run_in_threadpool
 from models.errors import FacePathError
 from service.auth import require_admin, require_read
 from service.errors import InvalidRequestError, NoFaceImageError, ServiceError, TooManyPhotosError
-from service.gallery.face_images import cut_face_region
 from service.gallery.store import (
     FaceRecord,
     GalleryStore,
@@ -299,21 +298,25 @@ def _enroll_photos(
     results: list[EnrollItem] = []
     detected = []
     filenames = {}
+    keep_region = work.settings.store_face_images
     for index, (subject_id, upload) in enumerate(items):
         filenames[index] = upload.filename
         try:
-            detected.append((index, subject_id, work.detect(upload, policy)))
+            detected.append((index, subject_id, work.detect(upload, policy, region=keep_region)))
         except FacePathError as exc:
             error = work.error(exc)
             results.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
     vectors = work.embed([photo.crops[:1] for _, _, photo in detected])
     ready = []
-    keep_region = work.settings.store_face_images
     for (index, subject_id, photo), vector in zip(detected, vectors, strict=True):
         face = photo.faces[0]
-        region = cut_face_region(photo.image, face.box, face.landmarks) if keep_region else None
         new = NewFace(
-            vector, photo.sha256, face.box.tolist(), face.landmarks.tolist(), float(face.score), region=region
+            vector,
+            photo.sha256,
+            face.box.tolist(),
+            face.landmarks.tolist(),
+            float(face.score),
+            region=photo.region,
         )
         ready.append((index, subject_id, new))
     return _store(store, work, ready, results, created, filenames)
