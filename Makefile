@@ -12,7 +12,7 @@ CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -92,6 +92,11 @@ test: install install-browser
 # Screenshots of the page in docs/screenshots, taken by its browser tests (README and docs/page.md).
 screenshots: install install-browser
 	SPHEREFACE_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_page_browser.py
+
+# The fault and load suite of the service (docs/reliability.md; about 4 minutes): load levels,
+# SIGKILL of Redis and of the API during enrollment, a paused Redis, two workers, hostile images.
+reliability: install
+	$(BIN)/python bench/reliability.py --markdown docs/results/reliability.md --json docs/results/reliability.json
 
 # The service on the default model (dlib's CC0 ResNet, converted into models/dlib_resnet_v1 by install).
 serve: install

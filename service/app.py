@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import asynccontextmanager
 
 import redis
@@ -17,12 +18,20 @@ from models.errors import FacePathError
 from models.pipeline import FacePipeline
 from service.admission import Admission, PixelBudget, default_face_limit
 from service.auth import AuthGate, require_read
-from service.errors import RedisSetupError, RedisUnavailableError, RequestTooLargeError, redis_unavailable
+from service.errors import (
+    InvalidRequestError,
+    RedisSetupError,
+    RedisUnavailableError,
+    RequestTooLargeError,
+    redis_unavailable,
+)
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
 from service.metrics import MetricsMiddleware, add_metrics_route, create_metrics
+from service.openapi import install_openapi
 from service.routes import faces, gallery, health, identify
+from service.routes.common import reject_unknown_query
 from service.routes.page import add_page
 from service.settings import Settings
 
@@ -77,6 +86,19 @@ class BodyLimit:
             return message
 
         return await self.app(scope, counted, send)
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method the API answers at ``path``, from the paths of its OpenAPI document (for the
+    ``Allow`` of a 405; Starlette names only the methods of the first route that matched)."""
+    methods: set[str] = set()
+    for template, item in app.openapi().get("paths", {}).items():
+        pattern = "^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, path):
+            methods |= {method.upper() for method in item}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def redis_client(url: str, timeout: float) -> redis.Redis:
@@ -151,10 +173,12 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(health.router)
-    app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read)])
-    app.include_router(identify.router, prefix="/v1")
-    app.include_router(gallery.router, prefix="/v1")
+    strict = Depends(reject_unknown_query)
+    app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read), strict])
+    app.include_router(identify.router, prefix="/v1", dependencies=[strict])
+    app.include_router(gallery.router, prefix="/v1", dependencies=[strict])
     add_page(app)
+    install_openapi(app)
 
     def gallery_stats() -> tuple[int, int, int]:
         stats = app.state.store.stats(app.state.pipeline.manifest.model_id)
@@ -184,15 +208,19 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
         return JSONResponse(status_code=error.http_status, content=error.as_dict())
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, FacePathError):  # FastAPI's 400 for a body it could not read
             cause = exc.__cause__
             return JSONResponse(status_code=cause.http_status, content=cause.as_dict())
+        if exc.status_code == 400:  # a body that is not JSON, or a broken form: the documented 422
+            error = InvalidRequestError(f"the request body could not be read: {exc.detail}")
+            return JSONResponse(status_code=error.http_status, content=error.as_dict())
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
+            headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))
         code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
         return JSONResponse(
-            status_code=exc.status_code,
-            content={"code": code, "message": str(exc.detail)},
-            headers=exc.headers,
+            status_code=exc.status_code, content={"code": code, "message": str(exc.detail)}, headers=headers
         )
 
     @app.exception_handler(RequestValidationError)

@@ -99,6 +99,12 @@ MAX_METADATA_BYTES = 8192
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
+#: What the OpenAPI document says of names (the validator below enforces it and trims spaces).
+NAME_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u202a-\\u202e\\u2066-\\u2069]*$"
+#: Subject ids (``service.gallery.store.check_subject_id`` enforces it).
+SUBJECT_ID_PATTERN = "^[A-Za-z0-9_.@:-]{1,128}$"
+
+
 def _no_surrogates(text: str, where: str) -> None:
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
         raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not text")
@@ -143,8 +149,11 @@ class SubjectCreate(RequestBody):
         None,
         description="1-128 letters, digits or _ . - @ : (generated when left out)",
         examples=["alice.smith"],
+        json_schema_extra={"pattern": SUBJECT_ID_PATTERN},
     )
-    name: str | None = Field(None, max_length=256, examples=["Alice Smith"])
+    name: str | None = Field(
+        None, max_length=256, examples=["Alice Smith"], json_schema_extra={"pattern": NAME_PATTERN}
+    )
     metadata: dict[str, Any] | None = Field(None, examples=[{"employee": 1042}])
 
     _check_name = field_validator("name")(clean_name)
@@ -152,7 +161,7 @@ class SubjectCreate(RequestBody):
 
 
 class SubjectUpdate(RequestBody):
-    name: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=256, json_schema_extra={"pattern": NAME_PATTERN})
     metadata: dict[str, Any] | None = Field(None, description="replaces the stored metadata")
 
     _check_name = field_validator("name")(clean_name)
@@ -203,6 +212,14 @@ class FaceOut(BaseModel):
         "`sphereface gallery reembed` can re-embed it for another model",
     )
     embedding: list[float] | None = None
+
+
+class FacePage(BaseModel):
+    faces: list[FaceOut]
+    total: int = Field(description="the subject's faces (of every model)")
+    offset: int
+    limit: int
+    next_offset: int | None = Field(description="offset of the next page; null on the last page")
 
 
 class FaceDeleted(BaseModel):

@@ -204,3 +204,14 @@ def test_the_multiple_faces_error_suggests_only_what_the_endpoint_takes(empty, p
     (item,) = r.json()["items"]
     assert item["status"] == "multiple_faces"
     assert "largest" in item["message"] and "all" not in item["message"].replace("central", "")
+
+
+def test_embeddings_of_the_wrong_size_refuse_the_whole_enrollment_before_anything_is_stored(empty):
+    good, short = [0.1] * 128, [0.1] * 3
+    body = {"subjects": ["ada", "bob"], "embeddings": [good, short], "create_subjects": True}
+    status, code, message = error(empty.post("/v1/enroll", json=body, headers=ADMIN))
+    assert (status, code) == (422, "invalid_embedding") and "item 1 has 3" in message
+    assert empty.get("/v1/subjects", headers=ADMIN).json()["total"] == 0  # no subject created either
+    empty.post("/v1/subjects", json={"id": "ada"}, headers=ADMIN)
+    r = empty.post("/v1/subjects/ada/faces", json={"embeddings": [short]}, headers=ADMIN)
+    assert error(r)[:2] == (422, "invalid_embedding")

@@ -185,17 +185,28 @@ def test_subject_crud_paging_and_delete_cascade(empty, photos_dir):
     assert r.json()["name"] == "Barack Obama" and r.json()["metadata"] == {"n": 44}
     subject = empty.get("/v1/subjects/obama", headers=ADMIN).json()
     assert subject["face_count"] == 1 and subject["name"] == "Barack Obama"
-    faces = empty.get("/v1/subjects/obama/faces", params={"embeddings": True}, headers=ADMIN).json()
+    faces = empty.get("/v1/subjects/obama/faces", params={"embeddings": True}, headers=ADMIN).json()["faces"]
     assert len(faces) == 1 and len(faces[0]["photo_sha256"]) == 64
+    # a subject's faces come a page at a time, like the subjects
+    vectors = np.random.default_rng(3).normal(size=(4, len(faces[0]["embedding"])))
+    r = empty.post("/v1/subjects/obama/faces", json={"embeddings": vectors.tolist()}, headers=ADMIN)
+    assert r.json()["enrolled"] == 4, r.text
+    first = empty.get("/v1/subjects/obama/faces", params={"limit": 2}, headers=ADMIN).json()
+    assert (first["total"], first["offset"], first["next_offset"], len(first["faces"])) == (5, 0, 2, 2)
+    last = empty.get("/v1/subjects/obama/faces", params={"offset": 4, "limit": 2}, headers=ADMIN).json()
+    assert last["next_offset"] is None and len(last["faces"]) == 1
+    everyone = empty.get("/v1/subjects/obama/faces", headers=ADMIN).json()["faces"]
+    assert [f["id"] for f in everyone][:2] == [f["id"] for f in first["faces"]]
+    assert everyone[0]["id"] == faces[0]["id"]  # oldest first
     assert len(faces[0]["embedding"]) == empty.app.state.pipeline.manifest.output_size
 
     r = empty.delete("/v1/subjects/obama", headers=ADMIN)
-    assert r.json() == {"id": "obama", "faces_removed": 1}
+    assert r.json() == {"id": "obama", "faces_removed": 5}
     (face,) = identify(empty, folks["obama"][1], faces="largest")["faces"]
     assert "obama" not in [c["subject_id"] for c in face["candidates"]]
     assert empty.get("/v1/subjects/obama", headers=ADMIN).json()["code"] == "subject_not_found"
 
-    biden_face = empty.get("/v1/subjects/biden/faces", headers=ADMIN).json()[0]["id"]
+    biden_face = empty.get("/v1/subjects/biden/faces", headers=ADMIN).json()["faces"][0]["id"]
     assert empty.delete(f"/v1/faces/{biden_face}", headers=ADMIN).json() == {"id": biden_face}
     r = empty.delete(f"/v1/faces/{biden_face}", headers=ADMIN)
     assert r.status_code == 404 and r.json()["code"] == "face_not_found"

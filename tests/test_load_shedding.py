@@ -67,7 +67,7 @@ def test_a_full_face_path_sheds_load_and_loses_nothing(default_model_dir, photos
         assert listing.status_code == 200 and read_seconds < 1.0
         acknowledged = [body["items"][0]["face"]["id"] for status, body in enrolled if status == 200]
         assert all(status in (200, 503) for status, _ in enrolled)
-        stored = {f["id"] for f in service.client.get("/v1/subjects/biden/faces").json()}
+        stored = {f["id"] for f in service.client.get("/v1/subjects/biden/faces").json()["faces"]}
         assert set(acknowledged) <= stored  # every acknowledged face is there
     finally:
         service.stop()

@@ -407,7 +407,7 @@ def test_gallery_search_paging_rename_and_delete(page, gallery, photos_dir):
     page.wait(lambda d: len(page.find_all("#subject-detail .face-card")) == 1)
     page.find("#subject-detail .face-card button").click()
     page.wait(lambda d: "No faces yet." in page.text("#subject-detail"))
-    assert gallery.get("/v1/subjects/obama/faces").json() == []
+    assert gallery.get("/v1/subjects/obama/faces").json()["faces"] == []
 
     page.find("#subject-detail .danger-zone button").click()
     page.find("#subject-detail .danger-zone button.quiet").click()  # "Keep": nothing deleted

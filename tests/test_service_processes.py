@@ -62,7 +62,7 @@ def test_gallery_survives_restarts_of_the_service_and_its_local_redis(default_mo
 
     service = Service(default_model_dir, data)
     try:
-        faces = service.client.get("/v1/subjects/obama/faces").json()
+        faces = service.client.get("/v1/subjects/obama/faces").json()["faces"]
         assert [f["id"] for f in faces] == [face_id]
         assert service.client.get("/v1/subjects").json()["total"] == 2
         assert best(service, people / "obama" / "2.jpg") == "obama"

@@ -184,3 +184,25 @@ def openapi_body(
     if json_model is not None:
         content["application/json"] = {"schema": json_model.model_json_schema()}
     return {"requestBody": {"required": True, "content": content}}
+
+
+def reject_unknown_query(request: Request) -> None:
+    """A dependency of every ``/v1`` route: a query parameter the route does not take is a 422
+    that names it (a typo such as ``?thresold=`` must not pass unnoticed)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known = set(_query_names(dependant))
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none"
+        raise InvalidRequestError(f"unknown query parameter {unknown[0]!r}; this operation takes: {takes}")
+
+
+def _query_names(dependant) -> list[str]:
+    """The query parameters a route and its dependencies take (by the name clients send)."""
+    names = [param.alias for param in dependant.query_params]
+    for sub in dependant.dependencies:
+        names += _query_names(sub)
+    return names

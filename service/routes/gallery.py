@@ -9,7 +9,13 @@ from fastapi.concurrency import run_in_threadpool
 
 from models.errors import FacePathError
 from service.auth import require_admin, require_read
-from service.errors import InvalidRequestError, NoFaceImageError, ServiceError, TooManyPhotosError
+from service.errors import (
+    InvalidEmbeddingError,
+    InvalidRequestError,
+    NoFaceImageError,
+    ServiceError,
+    TooManyPhotosError,
+)
 from service.gallery.store import (
     FaceRecord,
     GalleryStore,
@@ -28,6 +34,7 @@ from service.schemas import (
     FaceDeleted,
     FaceEmbeddings,
     FaceOut,
+    FacePage,
     SubjectCreate,
     SubjectDeleted,
     SubjectOut,
@@ -173,6 +180,7 @@ async def add_faces(
     store.get_subject(subject_id)
     body = await read_body(request, FaceEmbeddings, max_files=work.settings.max_bulk_items)
     if isinstance(body, FaceEmbeddings):
+        check_embedding_sizes(body.embeddings, work.pipeline.manifest.output_size)
         items = [(subject_id, v) for v in body.embeddings]
         return await run_in_threadpool(_enroll_embeddings, store, work, items, [])
     uploads = form_files(body, "photos")
@@ -183,17 +191,28 @@ async def add_faces(
 
 @router.get(
     "/subjects/{subject_id}/faces",
-    response_model=list[FaceOut],
+    response_model=FacePage,
     responses=ERRORS,
     dependencies=[Depends(require_read)],
-    summary="The faces of a subject",
+    summary="The faces of a subject, a page at a time, oldest first",
 )
 def list_faces(
     store: Store,
     subject_id: SubjectId,
     embeddings: Annotated[bool, Query(description="include the embeddings")] = False,
-) -> list[FaceOut]:
-    return [_face(f) for f in store.subject_faces(subject_id, with_embedding=embeddings)]
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> FacePage:
+    """A subject holds at most `SPHEREFACE_MAX_FACES_PER_SUBJECT` faces (1,000 by default)."""
+    faces = store.subject_faces(subject_id, with_embedding=embeddings)
+    following = offset + limit
+    return FacePage(
+        faces=[_face(f) for f in faces[offset:following]],
+        total=len(faces),
+        offset=offset,
+        limit=limit,
+        next_offset=following if following < len(faces) else None,
+    )
 
 
 @router.delete(
@@ -269,11 +288,24 @@ async def enroll(
         )
     for sid in subjects:
         check_subject_id(sid)
+    if isinstance(body, BulkEmbeddings):  # before any subject is created
+        check_embedding_sizes(payload, work.pipeline.manifest.output_size)
     created = await run_in_threadpool(store.ensure_subjects, subjects) if create_subjects else []
     items = list(zip(subjects, payload, strict=True))
     if isinstance(body, BulkEmbeddings):
         return await run_in_threadpool(_enroll_embeddings, store, work, items, created)
     return await run_in_threadpool(_enroll_photos, store, work, items, multiple_faces, created)
+
+
+def check_embedding_sizes(vectors: list[list[float]], size: int) -> None:
+    """Every embedding of a request has the served model's size (the OpenAPI document says so);
+    otherwise the whole request is refused with 422 ``invalid_embedding``, before anything is stored."""
+    wrong = [i for i, v in enumerate(vectors) if len(v) != size]
+    if wrong:
+        raise InvalidEmbeddingError(
+            f"embeddings must have {size} values for this model; item {wrong[0]} has {len(vectors[wrong[0]])}"
+            + (f" (and {len(wrong) - 1} more items are wrong)" if len(wrong) > 1 else "")
+        )
 
 
 def _enroll_embeddings(store: GalleryStore, work: FaceWork, items, created: list[str]) -> EnrollResponse:

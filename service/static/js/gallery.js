@@ -130,10 +130,12 @@ export class Gallery {
   async select(subjectId) {
     let subject, faces;
     const ok = await this.attempt(async () => {
-      [subject, faces] = await Promise.all([
+      let page;
+      [subject, page] = await Promise.all([
         api(`v1/subjects/${encodeURIComponent(subjectId)}`),
-        api(`v1/subjects/${encodeURIComponent(subjectId)}/faces`),
+        api(`v1/subjects/${encodeURIComponent(subjectId)}/faces`, { query: { limit: 1000 } }),
       ]);
+      faces = page.faces;
     });
     if (!ok) return;
     this.selected = subject;
@@ -255,7 +257,8 @@ export class Gallery {
         return;
       }
       input.clear();
-      const faces = await api(`v1/subjects/${encodeURIComponent(subject.id)}/faces`).catch(() => null);
+      const page = await api(`v1/subjects/${encodeURIComponent(subject.id)}/faces`, { query: { limit: 1000 } }).catch(() => null);
+      const faces = page ? page.faces : null;
       const refreshed = await api(`v1/subjects/${encodeURIComponent(subject.id)}`).catch(() => subject);
       this.renderDetail(refreshed, faces || []);
       const list = this.detail.querySelector(".enroll-status");
