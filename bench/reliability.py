@@ -137,24 +137,29 @@ def unit_vectors(rng: np.random.Generator, n: int, dim: int) -> list[list[float]
 # -- scenarios ------------------------------------------------------------------------------------
 
 
-def scenario_load(model: Path, workdir: Path, levels: list[int], seconds: float) -> list[dict]:
+def scenario_load(model: Path, workdir: Path, levels: list[tuple[int, bool]], seconds: float) -> list[dict]:
+    """``levels``: (clients, honour Retry-After). Clients that honour it wait the seconds it says
+    after a 503; the others retry at once (a retry storm)."""
     service = Service(model, workdir / "load")
     pair = sorted((PHOTOS / "people" / "obama").glob("*.jpg"))[:2]
     files = {"photo1": pair[0].read_bytes(), "photo2": pair[1].read_bytes()}
     rows = []
     try:
         client = httpx.Client(base_url=service.url, headers=HEADERS, timeout=60)
-        for clients in levels:
+        for clients, backoff in levels:
             tally = Tally()
 
-            def verify(_: int, tally: Tally = tally) -> None:
-                call(tally, lambda: client.post("/v1/verify", files=files))
+            def verify(_: int, tally: Tally = tally, backoff: bool = backoff) -> None:
+                response = call(tally, lambda: client.post("/v1/verify", files=files))
+                if backoff and response is not None and response.status_code == 503:
+                    time.sleep(float(response.headers.get("retry-after", 1)))
 
             run_clients(clients, seconds, verify)
             answered = len(tally.latencies)
             rows.append(
                 {
                     "clients": clients,
+                    "honour Retry-After": backoff,
                     "requests": tally.requests,
                     "answered per s": round(answered / seconds, 2),
                     **{k: round(v) if v is not None else None for k, v in tally.percentiles().items()},
@@ -176,15 +181,13 @@ def scenario_durability(model: Path, workdir: Path, seconds: float, writers: int
     acknowledged: list[str] = []
     tally = Tally()
     ack_lock = threading.Lock()
-    rng = np.random.default_rng(0)
-    vectors = unit_vectors(rng, 4096, 128)
     counter = iter(range(10**9))
 
     def write(index: int) -> None:
         batch = [next(counter) for _ in range(5)]
         body = {
             "subjects": [f"w{index}-s{n % 50}" for n in batch],
-            "embeddings": [vectors[n % len(vectors)] for n in batch],
+            "embeddings": [unit_vectors(np.random.default_rng(n), 1, 128)[0] for n in batch],  # no duplicates
             "create_subjects": True,
         }
         with httpx.Client(base_url=state["url"], headers=HEADERS, timeout=10) as client:
@@ -492,13 +495,15 @@ def markdown(results: dict) -> str:
     lines += [
         "## Load: `/v1/verify` of two phone photos, one worker",
         "",
-        "| clients | requests | answered / s | p50 ms | p95 ms | p99 ms | answers | server errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| clients | honour Retry-After | requests | answered / s | p50 ms | p95 ms | p99 ms | answers "
+        "| server errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["load"]:
         codes = ", ".join(f"{k}: {v}" for k, v in sorted(row["codes"].items()))
+        backoff = "yes" if row["honour Retry-After"] else "no: retry at once"
         lines.append(
-            f"| {row['clients']} | {row['requests']} | {row['answered per s']} | {row['p50']} | "
+            f"| {row['clients']} | {backoff} | {row['requests']} | {row['answered per s']} | {row['p50']} | "
             f"{row['p95']} | {row['p99']} | {codes} | {row['server errors']} |"
         )
     for name in ("durability", "pause", "workers"):
@@ -523,22 +528,28 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(short: bool) -> dict:
+SCENARIOS = ("load", "durability", "pause", "workers", "hostile")
+
+
+def run(short: bool, only: tuple[str, ...] = SCENARIOS) -> dict:
     model = resolve_model("default")
     workdir = short_temp_dir()
+    levels = [(1, True), (4, True)] if short else [(n, True) for n in (1, 2, 4, 8, 16, 32)] + [(16, False)]
+    scenarios = {
+        "load": lambda: scenario_load(model, workdir, levels, 3 if short else 15),
+        "durability": lambda: scenario_durability(model, workdir, 6 if short else 30),
+        "pause": lambda: scenario_pause(model, workdir, 2 if short else 5),
+        "workers": lambda: scenario_workers(model, workdir, 4 if short else 20),
+        "hostile": lambda: scenario_hostile(model, workdir),
+    }
+    results = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
+        "short": short,
+    }
     try:
-        results = {
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
-            "short": short,
-            "load": scenario_load(
-                model, workdir, [1, 4] if short else [1, 2, 4, 8, 16, 32], 3 if short else 15
-            ),
-            "durability": scenario_durability(model, workdir, 6 if short else 30),
-            "pause": scenario_pause(model, workdir, 2 if short else 5),
-            "workers": scenario_workers(model, workdir, 4 if short else 20),
-            "hostile": scenario_hostile(model, workdir),
-        }
+        for name in only:
+            results[name] = scenarios[name]()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return results
@@ -549,9 +560,14 @@ def main() -> int:
     parser.add_argument("--short", action="store_true", help="short durations (the version make test runs)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--markdown", type=Path, help="write the tables here")
+    parser.add_argument(
+        "--only", nargs="+", choices=SCENARIOS, help="run these scenarios; the others are kept from --json"
+    )
     args = parser.parse_args()
     random.seed(0)
-    results = run(args.short)
+    results = run(args.short, tuple(args.only or SCENARIOS))
+    if args.only and args.json and args.json.exists():
+        results = {**json.loads(args.json.read_text()), **results}
     text = markdown(results)
     print(text)
     if args.json:
