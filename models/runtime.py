@@ -60,6 +60,8 @@ def create_session(
         ProviderUnavailableError: the requested provider is not installed or failed to load.
     """
     wanted = resolve_providers(providers)
+    if "CUDAExecutionProvider" in wanted:
+        _preload_cuda_libraries()
     available = ort.get_available_providers()
     missing = [p for p in wanted if p not in available]
     if wanted[0] in missing and not allow_fallback:
@@ -85,6 +87,18 @@ def create_session(
             )
         log.warning("%s: asked for %s, running on %s", Path(model_path).name, wanted[0], got)
     return session
+
+
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the nvidia-* PyPI wheels (the 'gpu' extra installs
+    them), so that no system CUDA is needed; a no-op for onnxruntime builds before 1.21."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    try:
+        preload()
+    except Exception as exc:  # noqa: BLE001 - a system CUDA may still serve; the check below says
+        log.warning("could not preload the CUDA libraries of the nvidia wheels: %s", exc)
 
 
 def session_provider(session: ort.InferenceSession) -> str:
