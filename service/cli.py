@@ -159,8 +159,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     mega.add_argument(
         "--extra-features",
         default=None,
+        nargs="+",
         metavar="FILE.npy",
-        help="more distractors as L2-normalised float32 (n, D) features of this model, made elsewhere",
+        help="more distractors as L2-normalised float32 (n, D) features of this model, made elsewhere "
+        "(several files: e.g. the shards of `evaluate megaface-shard`)",
     )
     mega.add_argument(
         "--sizes",
@@ -187,6 +189,27 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     mega.add_argument("--seed", type=int, default=0, help="distractor order and augmentation seed")
     mega.add_argument("--no-progress", action="store_true", help="no progress bars")
     mega.set_defaults(func=_run_evaluate_megaface)
+
+    shard = which.add_parser(
+        "megaface-shard",
+        help="embed one shard of a large distractor set (one pod of a Kubernetes Indexed Job)",
+        description="Detects, aligns and embeds every N-th distractor image from the shard index on, and "
+        "writes L2-normalised float32 features (.npy, with a .json beside it). Pass every shard's file to "
+        "`evaluate megaface --extra-features` for the search (docs/deploy.md, deploy/megaface).",
+    )
+    shard.add_argument("--model", default="default", help="model name or folder; default: default")
+    shard.add_argument("--distractors", required=True, help="folder of distractor images, or a list file")
+    shard.add_argument("--shard", type=int, required=True, help="this shard's index, 0..shards-1")
+    shard.add_argument("--shards", type=int, required=True, help="how many shards the set is split into")
+    shard.add_argument("--out", required=True, help="the shard's features, FILE.npy")
+    shard.add_argument("--cache", default=None, help="landmark and embedding cache (default .cache/megaface)")
+    shard.add_argument("--providers", default="cpu", help="ONNX Runtime providers, e.g. cuda,cpu")
+    shard.add_argument(
+        "--workers", type=int, default=2, help="threads reading, detecting and aligning photos"
+    )
+    shard.add_argument("--batch-size", type=int, default=64)
+    shard.add_argument("--no-progress", action="store_true", help="no progress bars")
+    shard.set_defaults(func=_run_evaluate_megaface_shard)
 
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
@@ -243,6 +266,29 @@ def _sizes(text: str | None) -> list[int] | None:
     if not sizes or min(sizes) < 0:
         raise FacePathError(f"--sizes must be counts >= 0, got {text!r}")
     return sizes
+
+
+def _run_evaluate_megaface_shard(args: argparse.Namespace) -> int:
+    from models.registry import resolve_model
+    from training.megaface import embed_distractor_shard
+
+    summary = embed_distractor_shard(
+        resolve_model(args.model),
+        args.distractors,
+        args.shard,
+        args.shards,
+        args.out,
+        cache_dir=args.cache,
+        providers=args.providers,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    print(
+        f"shard {summary['shard']} of {summary['shards']}: {summary['images']} images, "
+        f"{summary['faces_found']} faces found -> {summary['features']}"
+    )
+    return 0
 
 
 def _run_evaluate_megaface(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S_VERSION = "1.32.0"
-KUSTOMIZATIONS = ["deploy/overlays/cpu", "deploy/overlays/gpu", "deploy/training"]
+KUSTOMIZATIONS = ["deploy/overlays/cpu", "deploy/overlays/gpu", "deploy/training", "deploy/megaface"]
 COMPOSE_WHEEL = REPO_ROOT / ".cache" / "wheels" / "docker_compose-1.29.2-py2.py3-none-any.whl"
 
 
@@ -99,6 +99,22 @@ def test_multi_node_training_uses_the_rendezvous_the_trainer_expects():
     (service,) = kinds["Service"]
     assert service["spec"]["clusterIP"] == "None"
     assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
+
+
+def test_megaface_shards_one_per_pod_then_one_search_over_all_of_them():
+    jobs = {job["metadata"]["name"]: job for job in by_kind(render("deploy/megaface"))["Job"]}
+    embed, search = jobs["sphereface-megaface-embed"], jobs["sphereface-megaface-search"]
+    assert embed["spec"]["completionMode"] == "Indexed"
+    command = embed["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "evaluate megaface-shard" in command and '--shard "$JOB_COMPLETION_INDEX"' in command
+    search_command = search["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "--extra-features" in search_command and "shard-*.json" in search_command
+    # the command the pods run exists, with the options the manifest passes
+    from service.cli import main
+
+    with pytest.raises(SystemExit) as shown:
+        main(["evaluate", "megaface-shard", "--help"])
+    assert shown.value.code == 0
 
 
 def compose_schema() -> dict:

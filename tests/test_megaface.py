@@ -385,3 +385,50 @@ def test_face_set_subset_and_digest(tmp_path):
     before = full.digest()
     files[1].write_bytes(b"changed")
     assert full.digest() != before
+
+
+@pytest.mark.shared_data
+def test_distractors_embedded_in_shards_give_the_same_search(tiny_sets, default_model_dir, tmp_path):
+    """The distributed path (deploy/megaface): every pod embeds every N-th distractor into its own
+    .npy; the search over all shards' files equals the search over the whole set."""
+    from service.cli import main
+    from training.megaface import embed_distractor_shard, load_face_set, shard_of
+
+    probes, distractors = tiny_sets
+    files = []
+    for shard in range(3):
+        out = tmp_path / "features" / f"shard-{shard}.npy"
+        summary = embed_distractor_shard(
+            default_model_dir,
+            distractors,
+            shard,
+            3,
+            out,
+            cache_dir=tmp_path / f"cache{shard}",
+            progress=False,
+        )
+        assert summary["images"] == len(np.load(out)) and json.loads(out.with_suffix(".json").read_text())
+        files.append(out)
+    everything = load_face_set(distractors, "distractors", probes=False)
+    assert sum(len(np.load(f)) for f in files) == len(everything) == 50
+    assert [len(shard_of(everything, i, 3)) for i in range(3)] == [17, 17, 16]
+
+    whole = run_megaface(
+        default_model_dir, probes=probes, distractors=distractors, sizes=[50],
+        cache_dir=tmp_path / "cache-whole", progress=False,
+    )  # fmt: skip
+    # the shards' rows are the whole set's rows, interleaved
+    (whole_cache,) = (tmp_path / "cache-whole" / "features").glob("*/distractors-*")
+    full = np.load(next(whole_cache.rglob("features*")), mmap_mode="r")
+    np.testing.assert_allclose(np.load(files[1]), full[1::3], atol=1e-6)
+    sharded = tmp_path / "sharded.json"
+    args = ["evaluate", "megaface", "--model", str(default_model_dir), "--probes", str(probes)]
+    args += ["--extra-features", *map(str, files), "--sizes", "50", "--json", str(sharded)]
+    args += ["--cache", str(tmp_path / "cache-whole"), "--no-progress"]
+    assert main(args) == 0
+    report = json.loads(sharded.read_text())
+    assert report["distractors"]["total"] == 50
+    assert report["results"]["raw"]["identification"]["50"] == whole["results"]["raw"]["identification"]["50"]
+    assert report["results"]["raw"]["verification"]["50"] == whole["results"]["raw"]["verification"]["50"]
+    with pytest.raises(MegaFaceDataError, match="shard must be"):
+        shard_of(everything, 3, 3)

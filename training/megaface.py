@@ -903,6 +903,63 @@ def load_feature_file(path: str | Path, dim: int) -> np.ndarray:
     return array
 
 
+def shard_of(faces: FaceSet, shard: int, shards: int) -> FaceSet:
+    """Every ``shards``-th image from ``shard`` on (interleaved: shards of equal size and mix)."""
+    if not 0 <= shard < shards:
+        raise MegaFaceDataError(f"shard must be in 0..{shards - 1}, got {shard}")
+    keep = np.zeros(len(faces), dtype=bool)
+    keep[shard::shards] = True
+    shard_set = faces.subset(keep)
+    shard_set.name = f"{faces.name}-shard{shard}of{shards}"
+    return shard_set
+
+
+def embed_distractor_shard(
+    model_dir: str | Path,
+    distractors: str | Path,
+    shard: int,
+    shards: int,
+    out: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    providers: str | Sequence[str] = "cpu",
+    workers: int = 2,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """One pod's share of a large distractor set: detect, align and embed every ``shards``-th
+    image and write the L2-normalised features to ``out`` (``.npy``, float32) with a ``.json``
+    beside it. The shards' files together are the whole set for ``--extra-features``."""
+    from models.embedder import Embedder
+
+    faces = shard_of(load_face_set(distractors, "distractors", probes=False), shard, shards)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    embedder = Embedder(model_dir, providers, batch_size=batch_size, intra_op_threads=0)
+    marks, found = detect_landmarks(faces, cache, providers=providers, workers=workers, progress=progress)
+    features = np.ascontiguousarray(
+        embed_faces(
+            faces, marks, ModelKey.of(model_dir), embedder, cache,
+            batch_size=batch_size, workers=workers, progress=progress,
+        ),
+        dtype=np.float32,
+    )  # fmt: skip
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial.npy")
+    np.save(partial, features)
+    partial.replace(out)  # a finished shard's file appears whole or not at all
+    summary = {
+        "model_id": embedder.manifest.model_id,
+        "shard": shard,
+        "shards": shards,
+        "images": len(faces),
+        "faces_found": int(found.sum()),
+        "features": str(out),
+    }
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -915,7 +972,7 @@ def run_megaface(
     probes: str | Path | None = None,
     distractors: str | Path | None = None,
     augment_to: int | None = None,
-    extra_features: str | Path | None = None,
+    extra_features: str | Path | Sequence[str | Path] | None = None,
     sizes: Sequence[int] | None = None,
     remove_probes: str | Path | None = None,
     remove_distractors: str | Path | None = None,
@@ -1030,10 +1087,11 @@ def run_megaface(
         parts.append(augmented)
     embedded = time.perf_counter()
     n_extra = 0
-    if extra_features is not None:
-        extra = load_feature_file(extra_features, embedder.output_size)
+    extra_files = [extra_features] if isinstance(extra_features, str | Path) else list(extra_features or [])
+    for file in extra_files:  # e.g. the shards of embed_distractor_shard, in their order
+        extra = load_feature_file(file, embedder.output_size)
         parts.append(extra)
-        n_extra = len(extra)
+        n_extra += len(extra)
     pool = _Stacked(parts) if parts else np.zeros((0, embedder.output_size), np.float32)
     total = len(pool)
     if removed_d is not None:
@@ -1094,8 +1152,8 @@ def run_megaface(
             "augmented": n_augmented,
             "augmentation": AUGMENTATION_DESCRIPTION if n_augmented else None,
             "extra_features": None
-            if extra_features is None
-            else {"file": str(extra_features), "rows": n_extra},
+            if not extra_files
+            else {"file": ", ".join(str(f) for f in extra_files), "rows": n_extra},
             "total": total,
             "removed": None if removed_d is None else int(removed_d.sum()),
             "order_seed": seed,
