@@ -10,7 +10,6 @@ cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared}
 IMAGE=${IMAGE:-sphereface:cpu}
 PORT=${PORT:-18765}
-KEY=image-test-admin-key
 PHOTOS="$SHARED/data/photos/people/obama"
 
 need() { command -v "$1" >/dev/null 2>&1; }
@@ -56,7 +55,7 @@ buildah run --isolation chroot "$container" -- python3 -c \
   "import os; assert os.getuid() == 10001, os.getuid(); print('runs as uid', os.getuid())"
 started=$(date +%s.%N)
 buildah run --isolation chroot \
-  --env REDIS_URL="redis://127.0.0.1:$((PORT + 1))/0" --env SPHEREFACE_API_KEY=$KEY \
+  --env REDIS_URL="redis://127.0.0.1:$((PORT + 1))/0" --env SPHEREFACE_API_KEY= \
   --env SPHEREFACE_PORT=$PORT --env SPHEREFACE_HOST=127.0.0.1 \
   "$container" -- sphereface serve > "$redis_dir/serve.log" 2>&1 &
 serve_pid=$!
@@ -67,6 +66,9 @@ done
 curl -sf "http://127.0.0.1:$PORT/readyz" || { echo "not ready; the log:"; cat "$redis_dir/serve.log"; exit 1; }
 echo
 echo "ready $(python3 -c "print(f'{$(date +%s.%N) - $started:.1f}')") s after start"
+# no key was given (as compose starts it by default): the first start made one in /data/admin.key
+KEY=$(buildah run --isolation chroot "$container" -- cat /data/admin.key)
+echo "the first start wrote an admin key to /data/admin.key (id ${KEY:4:12})"
 answer=$(curl -sf -H "X-API-Key: $KEY" -F photo1=@"$PHOTOS/1.jpg" -F photo2=@"$PHOTOS/2.jpg" \
   "http://127.0.0.1:$PORT/v1/verify")
 echo "$answer" | python3 -c "

@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     def _model_as_text(cls, value: object) -> object:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
 
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        """``SPHEREFACE_API_KEY=`` (empty, as compose passes an unset variable) means no key, so the
+        first start creates one instead of accepting an empty key."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @property
     def model_dir(self) -> Path:
         """The model folder of :attr:`model` (raises ModelFolderError with what to do when missing)."""

@@ -143,11 +143,19 @@ def test_compose_publishes_only_on_localhost_and_keeps_redis_private():
     assert "ports" not in redis
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "--appendfsync" in redis["command"] and "always" in redis["command"]
-    assert api["env_file"] == "sphereface.env"
+    assert api["environment"]["SPHEREFACE_API_KEY"] == "${SPHEREFACE_API_KEY:-}"  # never a value here
+    assert "api-data:/data" in api["volumes"]  # where the first start writes the admin key it makes
     ignored = subprocess.run(
-        ["git", "check-ignore", "docker/sphereface.env"], cwd=REPO_ROOT, capture_output=True, text=True
+        ["git", "check-ignore", "docker/.env"], cwd=REPO_ROOT, capture_output=True, text=True
     )
-    assert ignored.returncode == 0, "docker/sphereface.env (the admin key) must not be committed"
+    assert ignored.returncode == 0, "docker/.env (the admin key) must not be committed"
+
+
+def test_an_empty_key_from_compose_means_no_key():
+    from service.settings import Settings
+
+    assert Settings(api_key="").api_key is None and Settings(api_key="  ").api_key is None
+    assert Settings(api_key="s3cret").api_key.get_secret_value() == "s3cret"
 
 
 def test_the_serving_image_installs_no_torch():
