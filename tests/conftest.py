@@ -114,6 +114,26 @@ def redis_binary() -> str:
 
 
 @pytest.fixture
+def workdir():
+    """A fresh short folder (unix sockets of the servers a test starts fit under it), removed after."""
+    folder = short_temp_dir()
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_redis(redis_binary: str):
+    """A Debian ``redis-server`` shared by the tests of one module (they empty it as they need)."""
+    from service.redis_server import LocalRedis
+
+    folder = short_temp_dir()
+    server = LocalRedis(folder / "redis", binary=redis_binary).start()
+    yield server
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def redis_server(redis_binary: str):
     """A fresh Debian ``redis-server`` (AOF, fsync always) on a unix socket, stopped after the test."""
     from service.redis_server import LocalRedis

@@ -5,7 +5,6 @@ redis-server, the default model, real photos. Every answer must be a typed 4xx."
 from __future__ import annotations
 
 import io
-import shutil
 import struct
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from PIL import Image
 from service.app import create_app
 from service.redis_server import LocalRedis
 from service.settings import Settings
-from tests.conftest import short_temp_dir
 
 pytestmark = pytest.mark.shared_data
 
@@ -26,19 +24,10 @@ BODY_LIMIT = 3_000_000
 
 
 @pytest.fixture(scope="module")
-def server(redis_binary):
-    folder = short_temp_dir()
-    redis = LocalRedis(folder / "redis", binary=redis_binary).start()
-    yield redis
-    redis.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def client(default_model_dir: Path, server: LocalRedis):
+def client(default_model_dir: Path, module_redis: LocalRedis):
     settings = Settings(
         model_dir=default_model_dir,
-        redis_url=server.url,
+        redis_url=module_redis.url,
         api_key=ADMIN["X-API-Key"],
         max_request_bytes=BODY_LIMIT,
         max_photos_per_request=4,
@@ -49,8 +38,8 @@ def client(default_model_dir: Path, server: LocalRedis):
 
 
 @pytest.fixture
-def empty(client, server):
-    server.client().flushall()
+def empty(client, module_redis):
+    module_redis.client().flushall()
     return client
 
 

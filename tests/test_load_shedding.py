@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
-import shutil
 import time
 from collections import Counter
 
@@ -15,17 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import short_temp_dir
 from tests.service_process import Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
-
-
-@pytest.fixture
-def workdir():
-    folder = short_temp_dir()
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_full_face_path_sheds_load_and_loses_nothing(default_model_dir, photos_dir, workdir):

@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from service.auth import create_key
-from service.redis_server import LocalRedis
 from tests.conftest import fail_or_skip, short_temp_dir
 from tests.service_process import HEADERS, KEY, Service
 
@@ -43,27 +42,18 @@ PHONE = (390, 844)
 
 
 @pytest.fixture(scope="module")
-def redis_server_module(redis_binary):
+def service(default_model_dir, module_redis):
     folder = short_temp_dir()
-    server = LocalRedis(folder / "redis", binary=redis_binary).start()
-    yield server
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def service(default_model_dir, redis_server_module):
-    folder = short_temp_dir()
-    running = Service(default_model_dir, folder / "data", redis_server_module.url)
+    running = Service(default_model_dir, folder / "data", module_redis.url)
     yield running
     running.stop()
     shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
-def gallery(service, redis_server_module):
+def gallery(service, module_redis):
     """Each test starts from an empty gallery (the service's API client, admin key)."""
-    redis_server_module.client().flushall()
+    module_redis.client().flushall()
     return service.client
 
 
@@ -419,9 +409,9 @@ def test_gallery_search_paging_rename_and_delete(page, gallery, photos_dir):
     page.wait(lambda d: page.text("#subjects-count") == "No one matches “OBAMA”.")
 
 
-def test_a_read_key_sees_the_gallery_but_cannot_change_it(page, gallery, redis_server_module):
+def test_a_read_key_sees_the_gallery_but_cannot_change_it(page, gallery, module_redis):
     gallery.post("/v1/subjects", json={"id": "ada", "name": "Ada"})
-    read_key, _ = create_key(redis_server_module.client(), "read", name="browser test")
+    read_key, _ = create_key(module_redis.client(), "read", name="browser test")
     page.open(key=read_key, fragment="#gallery")
     assert "not change it" in page.text("#key-note")
     page.wait(lambda d: page.text("#subjects-count") == "1–1 of 1 person")

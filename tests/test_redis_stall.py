@@ -8,7 +8,6 @@ requests gave no answer within 30 s.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -20,18 +19,10 @@ from service.app import create_app
 from service.auth import create_key
 from service.redis_server import LocalRedis
 from service.settings import Settings
-from tests.conftest import short_temp_dir
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
 ENV_KEY = {"X-API-Key": "stall-test-admin-key"}
-
-
-@pytest.fixture
-def redis_folder():
-    folder = short_temp_dir()
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
@@ -49,8 +40,8 @@ def timed(call):
     return response, time.monotonic() - start
 
 
-def test_a_paused_redis_gets_503_fast_and_the_service_recovers(default_model_dir, redis_binary, redis_folder):
-    server = LocalRedis(redis_folder / "redis", binary=redis_binary).start()
+def test_a_paused_redis_gets_503_fast_and_the_service_recovers(default_model_dir, redis_binary, workdir):
+    server = LocalRedis(workdir / "redis", binary=redis_binary).start()
     try:
         stored_key, _ = create_key(server.client(), "read", name="stall test")
         settings = Settings(model_dir=default_model_dir, redis_url=server.url, api_key=ENV_KEY["X-API-Key"])
@@ -74,7 +65,7 @@ def test_a_paused_redis_gets_503_fast_and_the_service_recovers(default_model_dir
                     assert response.status_code == 503, (what, response.text)
                     assert response.json()["code"] == "redis_unavailable", what
                     assert seconds < 2.0, f"{what}: {seconds:.2f} s"
-                    assert str(redis_folder) not in response.json()["message"]  # no server paths
+                    assert str(workdir) not in response.json()["message"]  # no server paths
             # resumed: the same client works again, nothing lost, nothing half-written
             assert client.get("/readyz").status_code == 200
             assert client.get("/v1/subjects/ada", headers={"X-API-Key": stored_key}).status_code == 200
@@ -85,9 +76,9 @@ def test_a_paused_redis_gets_503_fast_and_the_service_recovers(default_model_dir
 
 
 def test_a_killed_redis_gets_503_at_once_and_a_restarted_one_is_used_again(
-    default_model_dir, redis_binary, redis_folder
+    default_model_dir, redis_binary, workdir
 ):
-    server = LocalRedis(redis_folder / "redis", binary=redis_binary).start()
+    server = LocalRedis(workdir / "redis", binary=redis_binary).start()
     try:
         settings = Settings(model_dir=default_model_dir, redis_url=server.url, api_key=ENV_KEY["X-API-Key"])
         with TestClient(create_app(settings)) as client:

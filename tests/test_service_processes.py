@@ -8,7 +8,6 @@ each other's enrollments and deletions.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -16,17 +15,9 @@ import httpx
 import pytest
 
 from service.redis_server import LocalRedis
-from tests.conftest import short_temp_dir
 from tests.service_process import Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
-
-
-@pytest.fixture
-def workdir():
-    folder = short_temp_dir()
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def photo(path: Path, field: str):

@@ -193,16 +193,18 @@ def reject_unknown_query(request: Request) -> None:
     dependant = getattr(route, "dependant", None)
     if dependant is None or not request.query_params:
         return
-    known = set(_query_names(dependant))
+    known = getattr(route, "_query_names", None)
+    if known is None:  # worked out once per route, not per request
+        known = route._query_names = frozenset(_query_names(dependant))
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         takes = ", ".join(sorted(known)) or "none"
         raise InvalidRequestError(f"unknown query parameter {unknown[0]!r}; this operation takes: {takes}")
 
 
-def _query_names(dependant) -> list[str]:
+def _query_names(dependant) -> set[str]:
     """The query parameters a route and its dependencies take (by the name clients send)."""
-    names = [param.alias for param in dependant.query_params]
+    names = {param.alias for param in dependant.query_params}
     for sub in dependant.dependencies:
-        names += _query_names(sub)
+        names |= _query_names(sub)
     return names
