@@ -14,10 +14,13 @@ from training.losses import (  # noqa: E402
     ArcFaceHead,
     ASoftmaxHead,
     CosFaceHead,
+    GASoftmaxHead,
     LambdaSchedule,
     ModifiedSoftmaxHead,
     SoftmaxHead,
     SphereFacePlusHead,
+    SSoftmaxHead,
+    WSoftmaxHead,
     arc_margin_cos,
     build_head,
     cos_m_theta,
@@ -279,6 +282,9 @@ def test_build_head_builds_every_head_and_rejects_unknown_names() -> None:
         "sphereface_plus": SphereFacePlusHead,
         "cosface": CosFaceHead,
         "arcface": ArcFaceHead,
+        "w_softmax": WSoftmaxHead,
+        "ga_softmax": GASoftmaxHead,
+        "s_softmax": SSoftmaxHead,
     }
     assert set(HEADS) == set(expected)
     for name in HEADS:

@@ -25,11 +25,27 @@ CONFIGS = Path(__file__).resolve().parent.parent / "training" / "configs"
 
 
 def test_every_shipped_config_loads_and_validates():
-    paths = sorted(CONFIGS.rglob("*.toml"))
+    from training.cifar import is_cifar_config
+
+    paths = [p for p in sorted(CONFIGS.rglob("*.toml")) if not is_cifar_config(p)]  # test_hyperspherical
     assert len(paths) >= 10
     for path in paths:
         config = load_config(path)
         assert config.steps > 0, path
+    sphereconv = load_config(CONFIGS / "hyperspherical" / "sf4_sphereconv_asoftmax_m4.toml")
+    baseline = load_config(CONFIGS / "celeba_more" / "sf4_asoftmax_m4.toml")
+    differences = {k for k, v in vars(sphereconv).items() if v != vars(baseline)[k]}
+    # the face comparison differs from the loss table's A-Softmax row in the operator and its lr only
+    assert differences == {"name", "out_dir", "operator", "operator_options", "orthogonality_weight", "lr"}
+
+
+def test_operator_options_are_checked_when_the_config_loads():
+    with pytest.raises(ConfigError, match="unknown operator 'sphere'"):
+        load_config(None, ["operator=sphere"])
+    with pytest.raises(ConfigError, match="unknown operator options"):
+        load_config(None, ["operator=sphereconv", "operator_options={ kk = 1 }"])
+    with pytest.raises(ConfigError, match="need operator = sphereconv"):
+        load_config(None, ["orthogonality_weight=0.1"])
 
 
 def test_child_config_overrides_its_base_and_replaces_tables():
@@ -458,6 +474,23 @@ def test_optimiser_groups_follow_the_authors_prototxt():
     assert ids(conv_biases) | {id(net.fc1.bias)} == ids(biases["params"])
     assert biases["lr"] == pytest.approx(0.2) and biases["weight_decay"] == 0.0
     assert norms["params"] == []  # SphereFace nets have no BatchNorm
+
+
+def test_sphereconv_kernels_are_not_decayed_under_the_orthogonality_regulariser():
+    from models.nets import build_network
+    from models.nets.hyperspherical import HypersphericalSettings, hyperspherical_layers
+    from training.trainer import _param_groups
+
+    settings = HypersphericalSettings("sphereconv", {"angular": "sigmoid", "learnable_k": True})
+    net = build_network("sphereface4", operator=settings)
+    ids = lambda params: {id(p) for p in params}  # noqa: E731
+    kernels = ids(layer.weight for layer in hyperspherical_layers(net))
+    curvatures = ids(layer.k for layer in hyperspherical_layers(net))
+    decayed, _, undecayed = _param_groups(net, lr=0.1, weight_decay=5e-4)
+    assert kernels <= ids(decayed["params"]) and curvatures <= ids(undecayed["params"])
+    decayed, _, undecayed = _param_groups(net, lr=0.1, weight_decay=5e-4, orthogonality=True)
+    assert kernels | curvatures <= ids(undecayed["params"]) and not kernels & ids(decayed["params"])
+    assert id(net.fc1.weight) in ids(decayed["params"])  # fc1 stays an ordinary decayed layer
 
 
 def test_auto_precision_is_bf16_only_on_gpus_that_compute_in_bf16(monkeypatch):

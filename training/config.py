@@ -22,9 +22,12 @@ from __future__ import annotations
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.errors import FacePathError
+
+if TYPE_CHECKING:
+    from models.nets.hyperspherical import HypersphericalSettings
 
 
 class ConfigError(FacePathError):
@@ -63,6 +66,22 @@ class TrainConfig:
     #: When set: gamma is chosen so lambda reaches its floor after this many epochs (an
     #: experiment option; the papers' runs leave it unset).
     lambda_floor_epochs: float | None = None
+    #: ``conv`` (the network as defined) or a hyperspherical operator in place of every convolution
+    #: (models.nets.hyperspherical.OPERATORS: ``sphereconv``, ``ballconv``, ``tanhconv``,
+    #: ``linearconv``, ``segconv``, ``logconv``, ``mixconv``; SphereNet and DCNet).
+    operator: str = "conv"
+    #: The operator's options (OperatorSpec), e.g. ``{ angular = "sigmoid", k = 0.3 }``,
+    #: ``{ angular = "sigmoid", learnable_k = true }``, ``{ rescale = true }`` (SphereNorm).
+    operator_options: dict[str, Any] = field(default_factory=dict)
+    #: Also replace the fully connected layers (FC1) by the operator.
+    operator_fc: bool = False
+    #: SphereNet's orthogonality regulariser ``w ||W^T W - I||_F^2`` over the operator's layers,
+    #: which then get no weight decay (SphereNet §2.4); 0 turns it off.
+    orthogonality_weight: float = 0.0
+    #: DCNet weight projection ``w <- w / ||w||`` of the operator's kernels every N steps (0: never).
+    weight_projection_every: int = 0
+    #: DCNet weighted gradients: each operator kernel's gradient times ``||w||`` (Eq. 4.17-4.18).
+    weighted_gradients: bool = False
     #: Hidden-layer MHE (Eq. 5.4) weight; 0 turns it off.
     hidden_mhe_weight: float = 0.0
     hidden_mhe_half_space: bool = False
@@ -137,10 +156,36 @@ class TrainConfig:
             (self.lfw_landmarks in ("detect", "file"), "lfw_landmarks must be detect or file"),
             (0 <= self.feature_norm_collapse < 1, "feature_norm_collapse is a fraction in [0, 1)"),
             (bool(self.data_paths), "data needs at least one prepared folder"),
+            (self.orthogonality_weight >= 0, "orthogonality_weight must be >= 0"),
+            (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
+            (
+                self.operator != "conv"
+                or not (
+                    self.orthogonality_weight
+                    or self.weight_projection_every
+                    or self.weighted_gradients
+                    or self.operator_options
+                    or self.operator_fc
+                ),
+                "the operator options and optimiser options need operator = sphereconv (or another "
+                "hyperspherical operator), not conv",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            self.operator_settings()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def operator_settings(self) -> HypersphericalSettings:
+        """The network's operator choice (checked: unknown operators and options raise ValueError)."""
+        from models.nets.hyperspherical import HypersphericalSettings, OperatorSpec
+
+        if self.operator != "conv":
+            OperatorSpec.from_options(self.operator, self.operator_options)
+        return HypersphericalSettings(self.operator, dict(self.operator_options), self.operator_fc)
 
     def to_toml(self) -> str:
         """The resolved config as TOML (None values are left out: they mean the default)."""
@@ -166,7 +211,8 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {value!r} as TOML")
 
 
-def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file as a dict, its ``base`` chain merged in (the file's values win)."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"config inheritance loops through {path}")
@@ -179,7 +225,7 @@ def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = data.pop("base", None)
     if base is None:
         return data
-    merged = _read_toml(path.parent / base, (*seen, path))
+    merged = read_toml(path.parent / base, (*seen, path))
     merged.update(data)
     return merged
 
@@ -222,7 +268,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a config file (with its ``base`` chain) and apply ``key=value`` overrides."""
-    data = _read_toml(Path(path)) if path is not None else {}
+    data = read_toml(Path(path)) if path is not None else {}
     for text in overrides or []:
         key, value = parse_override(text)
         if key.startswith("head_options."):

@@ -54,6 +54,15 @@ def _training_data_text(config: dict[str, Any]) -> str:
     return text + "; detected and aligned by sphereface prepare (MTCNN, SphereFace 112x96 template)"
 
 
+def _operator_text(config: dict[str, Any]) -> str:
+    """`` with sphereconv (angular=sigmoid, k=0.3)`` for a hyperspherical network; empty otherwise."""
+    operator = config.get("operator", "conv")
+    if operator == "conv":
+        return ""
+    options = ", ".join(f"{k}={v}" for k, v in config.get("operator_options", {}).items())
+    return f" with {operator}" + (f" ({options})" if options else "")
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -89,12 +98,18 @@ def export_checkpoint(
         The manifest and a report (parity difference, LFW accuracy, calibration).
     """
     from models.nets import build_network
+    from models.nets.hyperspherical import HypersphericalSettings
     from models.onnx_export import export_checked
     from training.trainer import load_checkpoint
 
     state = load_checkpoint(checkpoint)
     config = state["config"]
-    net = build_network(state["network"], state["embedding_size"])
+    operator = HypersphericalSettings(
+        config.get("operator", "conv"),
+        dict(config.get("operator_options", {})),
+        config.get("operator_fc", False),
+    )
+    net = build_network(state["network"], state["embedding_size"], operator)
     net.load_state_dict(state["net"])
     net.eval()
     out_dir = Path(out_dir)
@@ -109,7 +124,8 @@ def export_checkpoint(
         training_data=_training_data_text(config),
         licence=licence,
         source=(
-            f"sphereface train: {config['name']}, {state['network']} + {config['head']}"
+            f"sphereface train: {config['name']}, {state['network']}{_operator_text(config)} "
+            f"+ {config['head']}"
             f"({head_options}), {state['step']} steps of batch {config['batch_size']}, "
             f"lr {config['lr']}, seed {config['seed']}"
         ),

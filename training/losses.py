@@ -22,6 +22,10 @@ Heads (``HEADS`` / :func:`build_head`):
 * ``cosface`` -- :class:`CosFaceHead`: normalised features and weights, target ``s (cos - m)``.
 * ``arcface`` -- :class:`ArcFaceHead`: normalised features and weights, target ``s cos(theta + m)``
   (with a continuous, monotone fallback past ``theta = pi - m``, see :func:`arc_margin_cos`).
+* ``w_softmax`` / ``ga_softmax`` / ``s_softmax`` -- SphereNet's losses (SPEC §4.2):
+  :class:`WSoftmaxHead` (Eq. 10, logits ``||x|| g(theta)``), :class:`GASoftmaxHead` (Eq. 11,
+  target ``||x|| g(m theta)``; the cosine one is A-Softmax) and :class:`SSoftmaxHead`
+  (``s g(theta)``), for ``g`` linear, cosine or sigmoid (:mod:`models.nets.hyperspherical`).
 
 Regularisers: :func:`mhe_energy` (Eq. 5.1 normalised per layer as in Eq. 5.4; half-space and
 angular variants, SPEC §3.4-3.5), :func:`output_mhe_loss` (Eq. 5.8 term) and :class:`HiddenMHE`
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.nets.hyperspherical import ACOS_MARGIN, angular_activation, angular_of_theta
 from models.nets.init import caffe_xavier_uniform_
 
 __all__ = [
@@ -52,6 +57,9 @@ __all__ = [
     "ASoftmaxHead",
     "ArcFaceHead",
     "CosFaceHead",
+    "GASoftmaxHead",
+    "SSoftmaxHead",
+    "WSoftmaxHead",
     "HeadOutput",
     "HiddenMHE",
     "LambdaSchedule",
@@ -409,7 +417,113 @@ class ArcFaceHead(_NormalisedMarginHead):
         return arc_margin_cos(cos_y, self.margin)
 
 
-HEADS = ("softmax", "modified_softmax", "asoftmax", "sphereface_plus", "cosface", "arcface")
+# ----------------------------------------------------------------------------------------------
+# SphereNet's losses on the hypersphere (SPEC §4.2): W-Softmax, GA-Softmax, S-Softmax
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_angular(g: str) -> str:
+    if g not in ("linear", "cosine", "sigmoid"):
+        raise ValueError(f"g must be linear, cosine or sigmoid, got {g!r}")
+    return g
+
+
+class GASoftmaxHead(ASoftmaxHead):
+    """Generalised angular softmax (SphereNet Eq. 11) with lambda annealing as A-Softmax's.
+
+    ``||W_j|| = 1``, no bias, the feature norm kept; with ``g`` one of SphereConv's angular
+    functions (``linear`` ``1 - 2 theta / pi``, ``cosine``, ``sigmoid`` with curvature ``k``):
+
+    * non-target logits ``||x|| g(theta_j)``;
+    * target logit ``||x|| (lambda g(theta_y) + g(m theta_y)) / (1 + lambda)``.
+
+    ``g(m theta)`` is taken past ``pi`` by the monotone continuation of ``g`` (linear and sigmoid
+    are monotone on the whole line); for the cosine it is A-Softmax's ``psi`` (Eq. 2.20), so the
+    cosine GA-Softmax *is* A-Softmax. ``m = 1`` is W-Softmax. Prediction logits:
+    ``||x|| g(theta_j)`` (argmax: the class of smallest angle, as ``g`` decreases).
+    """
+
+    def __init__(
+        self,
+        embedding_size: int,
+        num_classes: int,
+        g: str = "linear",
+        m: int = 4,
+        k: float = 0.3,
+        lambda_schedule: LambdaLike = DEFAULT_LAMBDA_SCHEDULE,
+    ) -> None:
+        super().__init__(embedding_size, num_classes, m=m, lambda_schedule=lambda_schedule)
+        self.g = _check_angular(g)
+        if k <= 0:
+            raise ValueError(f"the sigmoid curvature k must be positive, got {k}")
+        self.k = float(k)
+
+    def _cosine_logits(self, features: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x_norm, cos, _ = super()._cosine_logits(features)
+        return x_norm, cos, x_norm * angular_activation(cos, self.g, self.k)
+
+    def _target_angular(self, cos_y: Tensor) -> Tensor:
+        """``g(m theta_y)`` for the target column ``cos_y`` (N, 1)."""
+        if self.g == "cosine":
+            return psi(cos_y, self.m)
+        margin = ACOS_MARGIN.get(cos_y.dtype, 1e-6)
+        theta = torch.acos(cos_y.clamp(-1.0 + margin, 1.0 - margin))
+        return angular_of_theta(self.m * theta, self.g, self.k)
+
+    def _apply_margin(
+        self, x_norm: Tensor, cos: Tensor, logits: Tensor, labels: Tensor, lam: float
+    ) -> Tensor:
+        index = labels.view(-1, 1)
+        cos_y = cos.gather(1, index)
+        g_y = angular_activation(cos_y, self.g, self.k)
+        target = x_norm * (lam * g_y + self._target_angular(cos_y)) / (1.0 + lam)
+        return logits.scatter(1, index, target)
+
+
+class WSoftmaxHead(GASoftmaxHead):
+    """W-Softmax (SphereNet Eq. 10): logits ``||x|| g(theta_j)``, ``||W_j|| = 1``, no bias, no margin."""
+
+    def __init__(self, embedding_size: int, num_classes: int, g: str = "cosine", k: float = 0.3) -> None:
+        super().__init__(embedding_size, num_classes, g=g, m=1, k=k, lambda_schedule=None)
+
+
+class SSoftmaxHead(nn.Module):
+    """S-Softmax (SphereNet §3, SPEC §4.2): features and weights normalised, logits ``s g(theta_j)``.
+
+    Hard to optimise from scratch at ``s = 1``; a scale ``s`` of 10 to 70 trains ([T] B.3).
+    """
+
+    def __init__(
+        self, embedding_size: int, num_classes: int, scale: float = 30.0, g: str = "cosine", k: float = 0.3
+    ) -> None:
+        super().__init__()
+        if scale <= 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self.scale, self.g, self.k = float(scale), _check_angular(g), float(k)
+        self.weight = nn.Parameter(torch.empty(num_classes, embedding_size))
+        _init_classifier(self.weight)
+
+    def forward(self, features: Tensor, labels: Tensor, step: int = 0) -> HeadOutput:
+        """``features`` (N, D), ``labels`` (N,) int64 in [0, C); ``step`` is ignored."""
+        with _autocast_off(features):
+            x = F.normalize(features.float(), dim=1)
+            w = F.normalize(self.weight.float(), dim=1)
+            logits = self.scale * angular_activation((x @ w.t()).clamp(-1.0, 1.0), self.g, self.k)
+            loss = F.cross_entropy(logits, labels)
+        return HeadOutput(loss=loss, logits=logits.detach())
+
+
+HEADS = (
+    "softmax",
+    "modified_softmax",
+    "asoftmax",
+    "sphereface_plus",
+    "cosface",
+    "arcface",
+    "w_softmax",
+    "ga_softmax",
+    "s_softmax",
+)
 
 _HEAD_CLASSES: dict[str, type[nn.Module]] = {
     "softmax": SoftmaxHead,
@@ -418,6 +532,9 @@ _HEAD_CLASSES: dict[str, type[nn.Module]] = {
     "sphereface_plus": SphereFacePlusHead,
     "cosface": CosFaceHead,
     "arcface": ArcFaceHead,
+    "w_softmax": WSoftmaxHead,
+    "ga_softmax": GASoftmaxHead,
+    "s_softmax": SSoftmaxHead,
 }
 
 

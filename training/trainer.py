@@ -43,6 +43,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.nets.hyperspherical import (
+    HYPERSPHERICAL_LAYERS,
+    operator_parameters,
+    orthogonality_penalty,
+    project_weights_,
+)
 from training.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -112,20 +118,29 @@ def _seed_everything(seed: int) -> None:
 BIAS_LR_MULT = 2.0
 
 
-def _param_groups(module: nn.Module, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+def _param_groups(
+    module: nn.Module, lr: float, weight_decay: float, orthogonality: bool = False
+) -> list[dict[str, Any]]:
     """Optimiser groups as the authors' prototxt sets them.
 
     Weights (conv, linear, classifier) and PReLU slopes: ``lr``, decayed (a Caffe PReLU layer
     without ``param`` blocks has ``decay_mult: 1``). Biases: ``2 * lr``, not decayed. BatchNorm
-    (not in the SphereFace nets; MobileFaceNet has it): ``lr``, not decayed.
+    (not in the SphereFace nets; MobileFaceNet has it): ``lr``, not decayed. Hyperspherical
+    operators: their own parameters (sigmoid ``k``, radius ``rho``, SphereNorm rescaling) are not
+    decayed, and with the ``orthogonality`` regulariser their kernels are not either (it replaces
+    weight decay, SphereNet §2.4).
     """
+
     norm_types = (nn.BatchNorm1d, nn.BatchNorm2d)
+    undecayed = operator_parameters(module)
     decay, biases, norms = [], [], []
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
-            if isinstance(sub, norm_types):
+            if isinstance(sub, norm_types) or id(param) in undecayed:
+                norms.append(param)
+            elif orthogonality and isinstance(sub, HYPERSPHERICAL_LAYERS) and name == "weight":
                 norms.append(param)
             elif name == "bias":
                 biases.append(param)
@@ -154,10 +169,14 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
     from models.nets import build_network
     from training.losses import LambdaSchedule, build_head
 
-    net = build_network(config.network, config.embedding_size)
+    net = build_network(config.network, config.embedding_size, config.operator_settings())
+    if config.weighted_gradients:
+        from models.nets.hyperspherical import enable_weighted_gradients
+
+        enable_weighted_gradients(net)
     embedding_size = int(getattr(net, "embedding_size"))  # noqa: B009 - every registered net has it
     options = dict(config.head_options)
-    if config.head in ("asoftmax", "sphereface_plus"):
+    if config.head in ("asoftmax", "sphereface_plus", "ga_softmax"):
         schedule = LambdaSchedule(
             base=config.lambda_base,
             gamma=config.lambda_gamma,
@@ -606,7 +625,9 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
     if ctx.device.type == "cuda":
         model.net.to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
-        _param_groups(model, config.lr, config.weight_decay), lr=config.lr, momentum=config.momentum
+        _param_groups(model, config.lr, config.weight_decay, config.orthogonality_weight > 0),
+        lr=config.lr,
+        momentum=config.momentum,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     trained: nn.Module = model
@@ -691,11 +712,16 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
     with torch.autocast(device_type=run.ctx.device.type, dtype=torch.bfloat16, enabled=run.bf16):
         loss, logits, extras = run.trained(images, labels, step)
         total = loss + run.hidden_mhe(run.model.net) if run.hidden_mhe is not None else loss
+        if run.config.orthogonality_weight > 0:
+            total = total + run.config.orthogonality_weight * orthogonality_penalty(run.model.net)
     run.optimizer.zero_grad(set_to_none=True)
     total.backward()
     run.optimizer.step()
     run.scheduler.step()
     _renormalise_head(run.model.head)
+    every = run.config.weight_projection_every
+    if every and (step + 1) % every == 0:
+        project_weights_(run.model.net)
     values: dict[str, Any] = {
         "loss": total.detach(),
         "accuracy": (logits.argmax(1) == labels).float().mean(),
@@ -825,6 +851,8 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
     summary = {
         "name": config.name,
         "network": config.network,
+        "operator": config.operator,
+        "operator_options": config.operator_options,
         "head": config.head,
         "head_options": config.head_options,
         "init_from": config.init_from,

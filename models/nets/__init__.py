@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from models.nets.hyperspherical import HypersphericalSettings
+
 #: Names accepted by :func:`build_network`.
 NETWORKS: tuple[str, ...] = (
     "sphereface4",
@@ -22,13 +24,22 @@ NETWORKS: tuple[str, ...] = (
 )
 
 
-def build_network(name: str, embedding_size: int | None = None) -> torch.nn.Module:
+def build_network(
+    name: str, embedding_size: int | None = None, operator: HypersphericalSettings | None = None
+) -> torch.nn.Module:
     """A freshly initialised network by name (one of :data:`NETWORKS`).
 
     ``sphereface<depth>`` -> :class:`~models.nets.sphereface.SphereFaceNet` (default embedding
     size 512); ``mobilefacenet`` -> :class:`~models.nets.mobilefacenet.MobileFaceNet` (default
-    128). Raises ValueError for an unknown name.
+    128). ``operator``: hyperspherical operators in place of the convolutions (and the fully
+    connected layers when it says so), :mod:`models.nets.hyperspherical`. Raises ValueError for an
+    unknown name.
     """
+    net = _build_plain_network(name, embedding_size)
+    return operator.apply(net) if operator is not None else net
+
+
+def _build_plain_network(name: str, embedding_size: int | None) -> torch.nn.Module:
     if name not in NETWORKS:
         raise ValueError(f"unknown network {name!r}; expected one of: {', '.join(NETWORKS)}")
     # Imported here so that importing this package does not pull in torch or cause cycles.
