@@ -13,9 +13,13 @@ REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
+# docs/hyperspherical.md: the CIFAR-10 runs (seed 0 first, then the second seeds) and the face run.
+HS_CIFAR := training/configs/hyperspherical/cifar
+HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR)/*.toml))) \
+	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 
 .PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
-	prepare-celeba loss-table sphereface-celeba-model default-model-results clean
+	prepare-celeba loss-table hyperspherical-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -139,6 +143,20 @@ loss-table: prepare-celeba
 	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
+
+# docs/hyperspherical.md: 36 CIFAR-10 runs of SphereNet's claims (1 to 8 minutes each on one core,
+# two at a time; about 80 minutes) and SphereFace-4 with SphereConv on the CelebA sets (about 35
+# minutes), exported and evaluated on LFW and MegaFace local-v1, then the tables and curves.
+# Finished runs are kept.
+hyperspherical-table: prepare-celeba
+	printf '%s\n' $(HS_CONFIGS) training/configs/hyperspherical/sf4_sphereconv_asoftmax_m4.toml | xargs -P 2 -I{} sh -c \
+		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/hyperspherical -name summary.json -path "*/$$run/*")" \
+		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
+	run=runs/hyperspherical/sf4_sphereconv_asoftmax_m4; \
+	test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
+	test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
+		--protocol local --data $(SHARED)/data --json $$run/megaface_local.json
+	$(BIN)/python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results
 
 # Re-train the project's own SphereFace model (about 75 minutes on one core) into models/sphereface_celeba.
 sphereface-celeba-model: prepare-celeba

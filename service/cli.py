@@ -465,9 +465,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from training.cifar import is_cifar_config
     from training.config import load_config
     from training.trainer import train
 
+    if is_cifar_config(args.config):
+        return _run_cifar_train(args)
     config = load_config(args.config, args.overrides)
     result = train(config, resume=args.resume, progress=not args.no_progress, until_step=args.until_step)
     if result.steps < config.steps:
@@ -476,6 +479,21 @@ def _run_train(args: argparse.Namespace) -> int:
         lfw = result.summary.get("lfw") or {}
         acc = f", LFW {100 * lfw['accuracy']:.2f}% ± {100 * lfw['std']:.2f}%" if lfw else ""
         print(f"finished {result.steps} steps in {result.run_dir}{acc}")
+    return 0
+
+
+def _run_cifar_train(args: argparse.Namespace) -> int:
+    from training.cifar import load_cifar_config, train_cifar
+    from training.config import ConfigError
+
+    if args.resume or args.until_step is not None:
+        raise ConfigError("CIFAR-10 runs are short and cannot be resumed: delete the run folder and rerun")
+    config = load_cifar_config(args.config, args.overrides)
+    summary = train_cifar(config, progress=not args.no_progress)
+    print(
+        f"finished {config.steps} steps in {config.run_dir}: "
+        f"test accuracy {100 * summary['test_accuracy']:.2f}%"
+    )
     return 0
 
 

@@ -1,0 +1,338 @@
+"""The tables and curves of docs/hyperspherical.md, from finished runs (``make hyperspherical-table``).
+
+Usage::
+
+    python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results
+
+Reads ``runs/hyperspherical/cifar/*/summary.json`` (CIFAR-10 runs of ``sphereface train``) and the
+face runs (``runs/hyperspherical/sf4_*`` against the loss table's ``runs/celeba_more/sf4_asoftmax_m4*``)
+and writes ``hyperspherical.md`` (Markdown tables), ``hyperspherical.json`` (every number) and PNG
+curves: ``hyperspherical_convergence.png`` (Table 1's operators, softmax loss),
+``hyperspherical_norm_b{4,16}.png`` (SphereNorm against BN), ``hyperspherical_deep.png`` (CNN-45)
+and ``hyperspherical_faces.png``. A cell with two seeds shows their mean and both values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.cifar import plot_cifar_curves
+from training.loss_table import megaface_rank1
+
+OPERATORS = (
+    ("conv", "original conv"),
+    ("cosine", "cosine SphereConv"),
+    ("linear", "linear SphereConv"),
+    ("sigmoid", "sigmoid (k = 0.3) SphereConv"),
+)
+HEADS = (("softmax", "softmax"), ("wsoftmax", "cosine W-Softmax"), ("gasoftmax", "linear GA-Softmax (m = 4)"))
+NORM_ROWS = (
+    ("bn", "BatchNorm"),
+    ("spherenorm", "SphereNorm"),
+    ("spherenorm_bn", "SphereNorm + BatchNorm"),
+    ("spherenorm_rescaled", "rescaled SphereNorm"),
+    ("nonorm", "no normalisation"),
+)
+FACE_BASELINES = ("sf4_asoftmax_m4", "sf4_asoftmax_m4_seed1")
+
+
+def load_cifar_runs(root: Path) -> dict[str, dict[str, Any]]:
+    """``{run name: summary}`` of every finished CIFAR-10 run under ``root``."""
+    runs = {}
+    for path in sorted(root.glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        summary["run_dir"] = str(path.parent)
+        runs[summary["name"]] = summary
+    return runs
+
+
+def seeds_of(runs: dict[str, dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The run ``name`` and its ``name_seedN`` repeats, seed order."""
+    pattern = re.compile(rf"^{re.escape(name)}(_seed\d+)?$")
+    return [runs[k] for k in sorted(runs) if pattern.match(k)]
+
+
+def _cell(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not summaries:
+        return None
+    accs = [100 * s["test_accuracy"] for s in summaries]
+    return {
+        "mean": float(np.mean(accs)),
+        "values": accs,
+        "seconds_per_step": float(np.mean([s["seconds_per_step"] for s in summaries])),
+    }
+
+
+def _fmt_cell(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "–"
+    if len(cell["values"]) == 1:
+        return f"{cell['mean']:.2f}"
+    return f"**{cell['mean']:.2f}** ({' / '.join(f'{v:.2f}' for v in cell['values'])})"
+
+
+def table1(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Operator x loss test accuracies (SphereNet Table 1 subset) and the two comparisons it decides."""
+    cells = {
+        op: {head: _cell(seeds_of(runs, f"cnn9_{op}_{head}")) for head, _ in HEADS} for op, _ in OPERATORS
+    }
+
+    def mean_of(op: str, head: str) -> float | None:
+        cell = cells[op][head]
+        return None if cell is None else cell["mean"]
+
+    operator_gain = {}  # SphereConv minus conv, per loss
+    for op, _ in OPERATORS[1:]:
+        for head, _ in HEADS:
+            a, b = mean_of(op, head), mean_of("conv", head)
+            if a is not None and b is not None:
+                operator_gain[f"{op}/{head}"] = a - b
+    margin_gain = {}  # GA-Softmax minus W-Softmax, per operator
+    for op, _ in OPERATORS:
+        a, b = mean_of(op, "gasoftmax"), mean_of(op, "wsoftmax")
+        if a is not None and b is not None:
+            margin_gain[op] = a - b
+    seed_spread = [
+        max(c["values"]) - min(c["values"])
+        for row in cells.values()
+        for c in row.values()
+        if c is not None and len(c["values"]) > 1
+    ]
+    return {
+        "cells": cells,
+        "sphereconv_minus_conv": operator_gain,
+        "ga_minus_w_softmax": margin_gain,
+        "median_seed_spread": float(np.median(seed_spread)) if seed_spread else None,
+    }
+
+
+def table1_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| Operator | " + " | ".join(label for _, label in HEADS) + " | s / step |",
+        "|---|" + "---|" * (len(HEADS) + 1),
+    ]
+    for op, label in OPERATORS:
+        row = result["cells"][op]
+        speeds = [c["seconds_per_step"] for c in row.values() if c is not None]
+        speed = f"{np.mean(speeds):.3f}" if speeds else "–"
+        lines.append(f"| {label} | " + " | ".join(_fmt_cell(row[h]) for h, _ in HEADS) + f" | {speed} |")
+    return "\n".join(lines)
+
+
+def norm_table(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {
+        f"b{batch}": {key: _cell(seeds_of(runs, f"norm_b{batch}_{key}")) for key, _ in NORM_ROWS}
+        for batch in (4, 16)
+    }
+
+
+def norm_markdown(result: dict[str, Any]) -> str:
+    lines = ["| Normalisation | batch 4 | batch 16 |", "|---|---|---|"]
+    for key, label in NORM_ROWS:
+        lines.append(f"| {label} | {_fmt_cell(result['b4'][key])} | {_fmt_cell(result['b16'][key])} |")
+    return "\n".join(lines)
+
+
+def deep_table(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key in ("conv", "cosine"):
+        summaries = seeds_of(runs, f"cnn45_{key}")
+        cell = _cell(summaries)
+        if cell is not None:
+            cell["final_train_loss"] = float(np.mean([s["final_train_loss"] for s in summaries]))
+        out[key] = cell
+    return out
+
+
+def deep_markdown(result: dict[str, Any]) -> str:
+    labels = {"conv": "original conv, softmax", "cosine": "cosine SphereConv, cosine W-Softmax"}
+    lines = ["| CNN-45 (plain, 16/24/32 channels) | test accuracy % | final training loss |", "|---|---|---|"]
+    for key, label in labels.items():
+        cell = result.get(key)
+        loss = "–" if cell is None else f"{cell['final_train_loss']:.3f}"
+        lines.append(f"| {label} | {_fmt_cell(cell)} | {loss} |")
+    return "\n".join(lines)
+
+
+def face_rows(face_root: Path, baseline_root: Path) -> list[dict[str, Any]]:
+    """LFW and MegaFace local-v1 rank-1 of the face runs and their ordinary-convolution baselines."""
+    rows = []
+    dirs = [baseline_root / name for name in FACE_BASELINES] + sorted(face_root.glob("sf4_*"))
+    for run in dirs:
+        path = run / "summary.json"
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text())
+        lfw = summary.get("lfw") or {}
+        rank1, _ = megaface_rank1(run)
+        rows.append(
+            {
+                "run": str(run),
+                "name": summary["name"],
+                "operator": summary.get("operator", "conv"),
+                "operator_options": summary.get("operator_options", {}),
+                "seed": summary.get("seed", 0),
+                "lfw_accuracy": lfw.get("accuracy"),
+                "lfw_std": lfw.get("std"),
+                "megaface_local_rank1": rank1,
+                "final_train_accuracy": summary["final"]["accuracy"],
+                "final_feature_norm": summary["final"]["feature_norm"],
+                "images_per_s": summary.get("mean_images_per_s"),
+            }
+        )
+    return rows
+
+
+def faces_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| SphereFace-4, A-Softmax m = 4 | seed | LFW % | MegaFace local-v1 rank-1 % "
+        "| train acc. % | ‖x‖ | images/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        options = ", ".join(f"{k} = {v}" for k, v in r["operator_options"].items())
+        label = "ordinary convolutions" if r["operator"] == "conv" else f"{r['operator']} ({options})"
+        lfw = (
+            "–" if r["lfw_accuracy"] is None else f"{100 * r['lfw_accuracy']:.2f} ± {100 * r['lfw_std']:.2f}"
+        )
+        mf = "–" if r["megaface_local_rank1"] is None else f"{100 * r['megaface_local_rank1']:.2f}"
+        speed = "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}"
+        lines.append(
+            f"| {label} | {r['seed']} | {lfw} | {mf} | {100 * r['final_train_accuracy']:.1f} "
+            f"| {r['final_feature_norm']:.1f} | {speed} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    from training.trainer import (
+        plot_training_curves,  # noqa: F401  (same log format)
+        read_log,
+    )
+
+    if not rows:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    for r in rows:
+        cols = read_log(Path(r["run"]) / "log.csv")
+        label = f"{r['operator']} seed {r['seed']}"
+        axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
+        axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
+        axes[2].plot(cols["step"], cols["feature_norm"], lw=1.1, label=label)
+    for ax, title in zip(
+        axes, ("training loss", "training accuracy (%)", "mean feature norm ||x||"), strict=True
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(
+        "SphereFace-4 + A-Softmax (m = 4) on celeba_faces + celeba_small: operator against convolution"
+    )
+    fig.tight_layout()
+    fig.savefig(out)
+    return out
+
+
+def plot_all(runs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+    """The CIFAR-10 curves: operators, SphereNorm at batch 4 and 16, the deep plain network."""
+    figures = [
+        (
+            [f"cnn9_{op}_{head}" for head in ("softmax", "wsoftmax") for op, _ in OPERATORS],
+            "hyperspherical_convergence.png",
+            "CNN-9 (24/36/48 channels), CIFAR-10: operators, same optimiser and steps (seed 0)",
+        ),
+        *(
+            (
+                [f"norm_b{batch}_{key}" for key, _ in NORM_ROWS],
+                f"hyperspherical_norm_b{batch}.png",
+                f"SphereNorm against BatchNorm at batch {batch} (CNN-9, softmax)",
+            )
+            for batch in (4, 16)
+        ),
+        (
+            ["cnn45_conv", "cnn45_cosine"],
+            "hyperspherical_deep.png",
+            "A plain CNN-45 (no shortcuts): convolution against cosine SphereConv",
+        ),
+    ]
+    written = []
+    for names, filename, title in figures:
+        present = [n for n in names if n in runs]
+        if present:
+            run_dirs = [Path(runs[n]["run_dir"]) for n in present]
+            written.append(plot_cifar_curves(run_dirs, out / filename, title, present))
+    return written
+
+
+def markdown(
+    t1: dict[str, Any], norms: dict[str, Any], deep: dict[str, Any], faces: list[dict[str, Any]]
+) -> str:
+    parts = [
+        "<!-- written by `python -m training.hyperspherical_table` (make hyperspherical-table) -->",
+        "### Operator × loss: CIFAR-10 test accuracy % (SphereNet Table 1 subset)",
+        "",
+        table1_markdown(t1),
+        "",
+        "SphereConv minus convolution, per loss (points): "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in t1["sphereconv_minus_conv"].items()),
+        "",
+        "GA-Softmax minus W-Softmax, per operator (points): "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in t1["ga_minus_w_softmax"].items()),
+        "",
+        f"Median spread between the two seeds of a cell: {t1['median_seed_spread']:.2f} points"
+        if t1["median_seed_spread"] is not None
+        else "",
+        "",
+        "### SphereNorm against BatchNorm: CIFAR-10 test accuracy % after 2,000 steps",
+        "",
+        norm_markdown(norms),
+        "",
+        "### A deep plain network",
+        "",
+        deep_markdown(deep),
+        "",
+        "### Faces",
+        "",
+        faces_markdown(faces),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="runs/hyperspherical", type=Path)
+    parser.add_argument("--baselines", default="runs/celeba_more", type=Path, help="the loss table's runs")
+    parser.add_argument("--out", default="docs/results", type=Path)
+    args = parser.parse_args(argv)
+    runs = load_cifar_runs(args.runs / "cifar")
+    if not runs:
+        print(f"no finished CIFAR-10 runs under {args.runs / 'cifar'}", file=sys.stderr)
+        return 1
+    t1, norms, deep = table1(runs), norm_table(runs), deep_table(runs)
+    faces = face_rows(args.runs, args.baselines)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hyperspherical.md").write_text(markdown(t1, norms, deep, faces))
+    report = {"table1": t1, "normalisation": norms, "deep": deep, "faces": faces, "runs": runs}
+    (args.out / "hyperspherical.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_all(runs, args.out)
+    plot_faces(faces, args.out / "hyperspherical_faces.png")
+    print((args.out / "hyperspherical.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
