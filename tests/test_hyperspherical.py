@@ -520,7 +520,8 @@ def test_a_cifar_run_trains_logs_and_scores_the_whole_test_set(tmp_path):
     config = load_cifar_config(
         CONFIGS / "hyperspherical" / "cifar" / "cnn9_sigmoid_gasoftmax.toml",
         [f"out_dir={tmp_path}", "steps=30", "log_every=10", "eval_every=20", "widths=[8, 8, 8]",
-         "train_per_class=50", f"archive={archive}", f"cache={cache}"],
+         "train_per_class=50", f"archive={archive}", f"cache={cache}", "orthogonality_weight=1e-3",
+         "weight_projection_every=10", "weighted_gradients=true"],
     )  # fmt: skip
     summary = train_cifar(config, progress=False)
     cols = read_cifar_log(tmp_path / config.name / "log.csv")
@@ -533,3 +534,50 @@ def test_a_cifar_run_trains_logs_and_scores_the_whole_test_set(tmp_path):
         == summary["test_accuracy"]
     )
     assert (tmp_path / config.name / "curves.png").stat().st_size > 10000
+    # the last step (30) projected every kernel back onto the unit sphere
+    net = torch.load(tmp_path / config.name / "model.pt", weights_only=False)["net"]
+    kernels = [v for k, v in net.items() if k.endswith("weight") and v.dim() in (2, 4) and "features" in k]
+    assert len(kernels) == 9
+    for kernel in kernels:
+        torch.testing.assert_close(kernel.flatten(1).norm(dim=1), torch.ones(kernel.shape[0]))
+
+
+def _fake_cifar_run(root: Path, name: str, accuracy: float, seconds: float = 0.1) -> None:
+    run = root / name
+    run.mkdir(parents=True)
+    summary = {"name": name, "test_accuracy": accuracy, "seconds_per_step": seconds, "final_train_loss": 1.0}
+    (run / "summary.json").write_text(json.dumps({**summary, "config": {}}))
+    rows = [
+        "step,loss,accuracy,test_accuracy,lr,lambda,elapsed_s",
+        "10,2.0,0.2,,0.001,0,1",
+        "20,1.5,0.4,0.3,0.001,0,2",
+    ]
+    (run / "log.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_the_hyperspherical_table_averages_seeds_and_computes_the_claims(tmp_path):
+    from training.hyperspherical_table import main
+
+    cifar = tmp_path / "runs" / "cifar"
+    _fake_cifar_run(cifar, "cnn9_conv_wsoftmax", 0.60)
+    _fake_cifar_run(cifar, "cnn9_conv_wsoftmax_seed1", 0.62)
+    _fake_cifar_run(cifar, "cnn9_conv_gasoftmax", 0.65)
+    _fake_cifar_run(cifar, "cnn9_sigmoid_wsoftmax", 0.66, seconds=0.3)
+    _fake_cifar_run(cifar, "cnn9_conv_softmax", 0.5)
+    _fake_cifar_run(cifar, "norm_b4_spherenorm", 0.4)
+    out = tmp_path / "out"
+    assert (
+        main(["--runs", str(tmp_path / "runs"), "--baselines", str(tmp_path / "none"), "--out", str(out)])
+        == 0
+    )
+    report = json.loads((out / "hyperspherical.json").read_text())
+    cell = report["table1"]["cells"]["conv"]["wsoftmax"]
+    assert cell["mean"] == pytest.approx(61.0) and cell["values"] == pytest.approx([60.0, 62.0])
+    assert report["table1"]["sphereconv_minus_conv"] == {"sigmoid/wsoftmax": pytest.approx(5.0)}
+    assert report["table1"]["ga_minus_w_softmax"] == {"conv": pytest.approx(4.0)}
+    assert report["table1"]["median_seed_spread"] == pytest.approx(2.0)
+    assert report["normalisation"]["b4"]["spherenorm"]["mean"] == pytest.approx(40.0)
+    text = (out / "hyperspherical.md").read_text()
+    assert "| original conv | 50.00 | **61.00** (60.00 / 62.00) | 65.00 | 0.100 |" in text
+    assert (out / "hyperspherical_convergence.png").stat().st_size > 10000
+    assert main(["--runs", str(tmp_path / "empty"), "--out", str(out)]) == 1

@@ -73,6 +73,9 @@ class CifarConfig:
     #: Also make the FC layer a hyperspherical one (SphereNet: FC is SphereConv's special case).
     operator_fc: bool = True
     orthogonality_weight: float = 0.0
+    #: DCNet's optimiser options, as the face trainer's: projection every N steps, weighted gradients.
+    weight_projection_every: int = 0
+    weighted_gradients: bool = False
     #: ``softmax``, ``w_softmax``, ``ga_softmax``, ``asoftmax``, ``s_softmax``... (training.losses.HEADS).
     head: str = "softmax"
     head_options: dict[str, Any] = field(default_factory=dict)
@@ -114,6 +117,13 @@ class CifarConfig:
             (all(0 < f < 1 for f in self.lr_drops), "lr_drops are fractions of the run in (0, 1)"),
             (self.train_per_class is None or 1 <= self.train_per_class <= 5000, "train_per_class is 1..5000"),
             (1 <= self.eval_images <= 10000, "eval_images is 1..10000"),
+            (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
+            (
+                self.operator != "conv"
+                or not (self.orthogonality_weight or self.weight_projection_every or self.weighted_gradients),
+                "orthogonality_weight, weight_projection_every and weighted_gradients need a hyperspherical "
+                "operator (operator = sphereconv, ...)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -262,7 +272,7 @@ class CifarClassifier(nn.Module):
 
 
 def build_cifar_model(config: CifarConfig) -> CifarClassifier:
-    from models.nets.hyperspherical import HypersphericalSettings
+    from models.nets.hyperspherical import HypersphericalSettings, enable_weighted_gradients
     from models.nets.plain_cnn import PlainCNN
     from training.losses import LambdaSchedule, build_head
 
@@ -270,6 +280,8 @@ def build_cifar_model(config: CifarConfig) -> CifarClassifier:
         config.convs_per_stage, tuple(config.widths), config.embedding_size, config.batch_norm, config.relu
     )
     HypersphericalSettings(config.operator, dict(config.operator_options), config.operator_fc).apply(net)
+    if config.weighted_gradients:
+        enable_weighted_gradients(net)
     options = dict(config.head_options)
     if config.head in ("asoftmax", "sphereface_plus", "ga_softmax"):
         options.setdefault(
@@ -315,7 +327,7 @@ def read_cifar_log(path: str | Path) -> dict[str, np.ndarray]:
 
 def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
                     x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:  # fmt: skip
-    from models.nets.hyperspherical import orthogonality_penalty
+    from models.nets.hyperspherical import orthogonality_penalty, project_weights_
 
     out = model.head(model.net(x), y, step=step)
     loss = out.loss
@@ -327,8 +339,11 @@ def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, co
     renormalise = getattr(model.head, "renormalise_", None)
     if renormalise is not None:
         renormalise()
+    if config.weight_projection_every and (step + 1) % config.weight_projection_every == 0:
+        project_weights_(model.net)
     accuracy = float((out.logits.argmax(1) == y).float().mean())
-    return float(loss.detach()), accuracy, float(out.extras.get("lambda", 0.0))
+    # the head's loss (the regulariser left out): comparable between runs with and without it
+    return float(out.loss.detach()), accuracy, float(out.extras.get("lambda", 0.0))
 
 
 def _param_groups(model: nn.Module, config: CifarConfig) -> list[dict[str, Any]]:

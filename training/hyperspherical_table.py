@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +173,12 @@ def face_rows(face_root: Path, baseline_root: Path) -> list[dict[str, Any]]:
         summary = json.loads(path.read_text())
         lfw = summary.get("lfw") or {}
         rank1, _ = megaface_rank1(run)
+        config = tomllib.loads((run / "config.toml").read_text())
         rows.append(
             {
                 "run": str(run),
                 "name": summary["name"],
+                "lr": config["lr"],
                 "operator": summary.get("operator", "conv"),
                 "operator_options": summary.get("operator_options", {}),
                 "seed": summary.get("seed", 0),
@@ -192,9 +195,9 @@ def face_rows(face_root: Path, baseline_root: Path) -> list[dict[str, Any]]:
 
 def faces_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| SphereFace-4, A-Softmax m = 4 | seed | LFW % | MegaFace local-v1 rank-1 % "
+        "| SphereFace-4, A-Softmax m = 4 | lr | seed | LFW % | MegaFace local-v1 rank-1 % "
         "| train acc. % | ‖x‖ | images/s |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         options = ", ".join(f"{k} = {v}" for k, v in r["operator_options"].items())
@@ -205,7 +208,7 @@ def faces_markdown(rows: list[dict[str, Any]]) -> str:
         mf = "–" if r["megaface_local_rank1"] is None else f"{100 * r['megaface_local_rank1']:.2f}"
         speed = "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}"
         lines.append(
-            f"| {label} | {r['seed']} | {lfw} | {mf} | {100 * r['final_train_accuracy']:.1f} "
+            f"| {label} | {r['lr']:g} | {r['seed']} | {lfw} | {mf} | {100 * r['final_train_accuracy']:.1f} "
             f"| {r['final_feature_norm']:.1f} | {speed} |"
         )
     return "\n".join(lines)
@@ -227,7 +230,7 @@ def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
     axes = fig.subplots(1, 3)
     for r in rows:
         cols = read_log(Path(r["run"]) / "log.csv")
-        label = f"{r['operator']} seed {r['seed']}"
+        label = f"{r['operator']}, lr {r['lr']:g}, seed {r['seed']}"
         axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
         axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
         axes[2].plot(cols["step"], cols["feature_norm"], lw=1.1, label=label)
