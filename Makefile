@@ -145,7 +145,7 @@ loss-table: prepare-celeba
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
 
-# docs/hyperspherical.md: 36 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
+# docs/hyperspherical.md: 30 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
 # two at a time) and two SphereFace-4 runs on the CelebA sets (SphereConv, and its convolutional
 # control; about 35 minutes each), exported and evaluated on LFW and MegaFace local-v1, then the
 # tables and curves. About 2 hours on two cores.
