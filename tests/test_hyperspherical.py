@@ -489,6 +489,15 @@ def test_every_hyperspherical_cifar_config_loads_with_the_operator_it_names():
             assert config.operator == "conv", path
 
 
+def test_the_periodic_test_check_samples_every_class_evenly():
+    from training.cifar import periodic_sample
+
+    labels = np.repeat(np.arange(10), 1000)  # stored class by class, as the archive is
+    counts = np.bincount(labels[periodic_sample(10000, 2000).numpy()], minlength=10)
+    assert counts.min() > 150 and counts.max() < 250
+    assert torch.equal(periodic_sample(10000, 2000), periodic_sample(10000, 2000))  # fixed
+
+
 def test_cifar_config_errors_are_clear(tmp_path):
     from training.cifar import load_cifar_config
     from training.config import ConfigError
@@ -527,6 +536,7 @@ def test_a_cifar_run_trains_logs_and_scores_the_whole_test_set(tmp_path):
     cols = read_cifar_log(tmp_path / config.name / "log.csv")
     assert cols["step"].tolist() == [10, 20, 30]
     assert np.isfinite(cols["test_accuracy"][1]) and np.isnan(cols["test_accuracy"][0])
+    assert "random" in summary["periodic_eval"]
     assert cols["loss"][-1] < cols["loss"][0]  # it learns something in 30 steps
     assert 0.1 < summary["test_accuracy"] < 1.0 and summary["epochs"] == pytest.approx(30 * 128 / 500)
     assert (
@@ -546,6 +556,7 @@ def _fake_cifar_run(root: Path, name: str, accuracy: float, seconds: float = 0.1
     run = root / name
     run.mkdir(parents=True)
     summary = {"name": name, "test_accuracy": accuracy, "seconds_per_step": seconds, "final_train_loss": 1.0}
+    summary["periodic_eval"] = "2000 test images drawn at random (seed 0)"
     (run / "summary.json").write_text(json.dumps({**summary, "config": {}}))
     rows = [
         "step,loss,accuracy,test_accuracy,lr,lambda,elapsed_s",

@@ -94,7 +94,8 @@ class CifarConfig:
     train_per_class: int | None = None
     log_every: int = 25
     eval_every: int = 200
-    #: Test images used by the periodic check (the final one uses all 10,000).
+    #: Test images used by the periodic check, a fixed random sample of every class (the final check
+    #: uses all 10,000).
     eval_images: int = 2000
     seed: int = 0
     threads: int = 1
@@ -310,6 +311,12 @@ def evaluate(model: CifarClassifier, images: torch.Tensor, labels: torch.Tensor,
 # ------------------------------------------------------------------------------------------------
 
 
+def periodic_sample(num_test: int, size: int) -> torch.Tensor:
+    """Indices of the periodic check's test images: a fixed random sample (the test set is stored
+    class by class, so its first images are all airplanes and automobiles)."""
+    return torch.randperm(num_test, generator=torch.Generator().manual_seed(0))[:size]
+
+
 def _write_log(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, LOG_COLUMNS)
@@ -379,6 +386,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
         to_tensor(train_images), torch.from_numpy(train_labels), config.batch_size, config.flip, config.seed
     )
     test_x, test_y = to_tensor(data["test_images"]), torch.from_numpy(data["test_labels"])
+    sample = periodic_sample(len(test_y), config.eval_images)
     model = build_cifar_model(config)
     optimiser = torch.optim.Adam(_param_groups(model, config), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
@@ -400,7 +408,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
                "lambda": lam, "elapsed_s": time.perf_counter() - started}  # fmt: skip
         interval.clear()
         if done % config.eval_every == 0 and done != config.steps:
-            row["test_accuracy"] = evaluate(model, test_x[: config.eval_images], test_y[: config.eval_images])
+            row["test_accuracy"] = evaluate(model, test_x[sample], test_y[sample])
         rows.append(row)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{100 * row['accuracy']:.1f}%")
     train_seconds = time.perf_counter() - started
@@ -435,7 +443,18 @@ def _summary(config: CifarConfig, model: CifarClassifier, rows: list[dict[str, A
         "seconds_per_step": seconds / config.steps,
         "parameters": sum(p.numel() for p in model.net.parameters()),
         "threads": torch.get_num_threads(),
+        "periodic_eval": f"{config.eval_images} test images drawn at random (seed 0)",
     }
+
+
+def _random_periodic_eval(run_dir: Path) -> bool:
+    """Whether the run's periodic test accuracy came from a random sample of every class.
+
+    Runs before that fix checked the first ``eval_images`` test images, which are the first two
+    classes: their periodic points are not plotted, only the final accuracy on all 10,000.
+    """
+    summary = run_dir / "summary.json"
+    return summary.exists() and "periodic_eval" in json.loads(summary.read_text())
 
 
 def plot_cifar_curves(run_dirs: list[Path], out: Path, title: str, labels: list[str] | None = None) -> Path:
@@ -452,6 +471,8 @@ def plot_cifar_curves(run_dirs: list[Path], out: Path, title: str, labels: list[
         axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
         axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
         has = np.isfinite(cols["test_accuracy"])
+        if not _random_periodic_eval(Path(run_dir)):
+            has &= cols["step"] == cols["step"][-1]  # early runs checked 2 classes only: final point
         axes[2].plot(cols["step"][has], 100 * cols["test_accuracy"][has], "o-", ms=3, lw=1.1, label=label)
     for ax, name in zip(axes, ("training loss", "training accuracy (%)", "test accuracy (%)"), strict=True):
         ax.set_title(name)
