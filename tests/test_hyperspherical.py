@@ -592,3 +592,29 @@ def test_the_hyperspherical_table_averages_seeds_and_computes_the_claims(tmp_pat
     assert "| original conv | 50.00 | **61.00** (60.00 / 62.00) | 65.00 | 0.100 |" in text
     assert (out / "hyperspherical_convergence.png").stat().st_size > 10000
     assert main(["--runs", str(tmp_path / "empty"), "--out", str(out)]) == 1
+
+
+def test_the_face_table_takes_missing_baselines_from_the_committed_loss_table(tmp_path):
+    from training.hyperspherical_table import face_rows, faces_markdown
+
+    loss_table = tmp_path / "loss_table.json"
+    row = {
+        "run": "sf4_asoftmax_m4",
+        "seed": 0,
+        "lfw_accuracy": 0.85,
+        "lfw_std": 0.015,
+        "megaface_local_rank1": 0.144,
+        "final_train_accuracy": 0.95,
+        "final_feature_norm": 24.3,
+        "train_images_per_s": 62.5,
+    }
+    other = {**row, "run": "sf4_softmax", "lfw_accuracy": 0.83}
+    loss_table.write_text(json.dumps([row, other]))
+    rows = face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", loss_table)
+    assert [r["name"] for r in rows] == ["sf4_asoftmax_m4"]
+    assert rows[0]["lr"] == pytest.approx(0.025) and rows[0]["source"] == str(loss_table)
+    assert (
+        "| ordinary convolutions | 0.025 | 0 | 85.00 ± 1.50 | 14.40 | 95.0 | 24.3 | 62 |"
+        in faces_markdown(rows)
+    )
+    assert face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None) == []

@@ -5,7 +5,8 @@ Usage::
     python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results
 
 Reads ``runs/hyperspherical/cifar/*/summary.json`` (CIFAR-10 runs of ``sphereface train``) and the
-face runs (``runs/hyperspherical/sf4_*`` against the loss table's ``runs/celeba_more/sf4_asoftmax_m4*``)
+face runs (``runs/hyperspherical/sf4_*`` against the loss table's ``runs/celeba_more/sf4_asoftmax_m4*``,
+or its committed ``docs/results/loss_table.json`` where those runs are not here)
 and writes ``hyperspherical.md`` (Markdown tables), ``hyperspherical.json`` (every number) and PNG
 curves: ``hyperspherical_convergence.png`` (Table 1's operators, softmax loss),
 ``hyperspherical_norm_b{4,16}.png`` (SphereNorm against BN), ``hyperspherical_deep.png`` (CNN-45)
@@ -42,6 +43,7 @@ NORM_ROWS = (
     ("nonorm", "no normalisation"),
 )
 FACE_BASELINES = ("sf4_asoftmax_m4", "sf4_asoftmax_m4_seed1")
+LOSS_TABLE_CONFIGS = Path(__file__).resolve().parent / "configs" / "celeba_more"
 
 
 def load_cifar_runs(root: Path) -> dict[str, dict[str, Any]]:
@@ -162,35 +164,69 @@ def deep_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def face_rows(face_root: Path, baseline_root: Path) -> list[dict[str, Any]]:
-    """LFW and MegaFace local-v1 rank-1 of the face runs and their ordinary-convolution baselines."""
+def face_rows(face_root: Path, baseline_root: Path, loss_table: Path | None = None) -> list[dict[str, Any]]:
+    """LFW and MegaFace local-v1 rank-1 of the face runs and their ordinary-convolution baselines.
+
+    A baseline whose run folder is not here (a fresh checkout) comes from the loss table's committed
+    results (``docs/results/loss_table.json``), without curves.
+    """
     rows = []
-    dirs = [baseline_root / name for name in FACE_BASELINES] + sorted(face_root.glob("sf4_*"))
-    for run in dirs:
-        path = run / "summary.json"
-        if not path.exists():
-            continue
-        summary = json.loads(path.read_text())
-        lfw = summary.get("lfw") or {}
-        rank1, _ = megaface_rank1(run)
-        config = tomllib.loads((run / "config.toml").read_text())
-        rows.append(
-            {
-                "run": str(run),
-                "name": summary["name"],
-                "lr": config["lr"],
-                "operator": summary.get("operator", "conv"),
-                "operator_options": summary.get("operator_options", {}),
-                "seed": summary.get("seed", 0),
-                "lfw_accuracy": lfw.get("accuracy"),
-                "lfw_std": lfw.get("std"),
-                "megaface_local_rank1": rank1,
-                "final_train_accuracy": summary["final"]["accuracy"],
-                "final_feature_norm": summary["final"]["feature_norm"],
-                "images_per_s": summary.get("mean_images_per_s"),
-            }
-        )
+    for name in FACE_BASELINES:
+        if (baseline_root / name / "summary.json").exists():
+            rows.append(_face_row_from_run(baseline_root / name))
+        elif loss_table is not None and loss_table.exists():
+            rows.extend(_face_rows_from_loss_table(loss_table, name))
+    for run in sorted(face_root.glob("sf4_*")):
+        if (run / "summary.json").exists():
+            rows.append(_face_row_from_run(run))
     return rows
+
+
+def _face_row_from_run(run: Path) -> dict[str, Any]:
+    summary = json.loads((run / "summary.json").read_text())
+    lfw = summary.get("lfw") or {}
+    rank1, _ = megaface_rank1(run)
+    config = tomllib.loads((run / "config.toml").read_text())
+    return {
+        "run": str(run),
+        "name": summary["name"],
+        "source": "run",
+        "lr": config["lr"],
+        "operator": summary.get("operator", "conv"),
+        "operator_options": summary.get("operator_options", {}),
+        "seed": summary.get("seed", 0),
+        "lfw_accuracy": lfw.get("accuracy"),
+        "lfw_std": lfw.get("std"),
+        "megaface_local_rank1": rank1,
+        "final_train_accuracy": summary["final"]["accuracy"],
+        "final_feature_norm": summary["final"]["feature_norm"],
+        "images_per_s": summary.get("mean_images_per_s"),
+    }
+
+
+def _face_rows_from_loss_table(loss_table: Path, name: str) -> list[dict[str, Any]]:
+    from training.config import read_toml
+
+    config = read_toml(LOSS_TABLE_CONFIGS / f"{name}.toml")
+    return [
+        {
+            "run": row["run"],
+            "name": row["run"],
+            "source": str(loss_table),
+            "lr": config["lr"],
+            "operator": "conv",
+            "operator_options": {},
+            "seed": row["seed"],
+            "lfw_accuracy": row["lfw_accuracy"],
+            "lfw_std": row["lfw_std"],
+            "megaface_local_rank1": row["megaface_local_rank1"],
+            "final_train_accuracy": row["final_train_accuracy"],
+            "final_feature_norm": row["final_feature_norm"],
+            "images_per_s": row.get("train_images_per_s"),
+        }
+        for row in json.loads(loss_table.read_text())
+        if row["run"] == name
+    ]
 
 
 def faces_markdown(rows: list[dict[str, Any]]) -> str:
@@ -229,6 +265,8 @@ def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     for r in rows:
+        if r.get("source", "run") != "run":
+            continue
         cols = read_log(Path(r["run"]) / "log.csv")
         label = f"{r['operator']}, lr {r['lr']:g}, seed {r['seed']}"
         axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
@@ -319,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/hyperspherical", type=Path)
     parser.add_argument("--baselines", default="runs/celeba_more", type=Path, help="the loss table's runs")
+    parser.add_argument(
+        "--loss-table",
+        default="docs/results/loss_table.json",
+        type=Path,
+        help="the loss table's committed results, for baselines whose runs are not here",
+    )
     parser.add_argument("--out", default="docs/results", type=Path)
     args = parser.parse_args(argv)
     runs = load_cifar_runs(args.runs / "cifar")
@@ -326,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished CIFAR-10 runs under {args.runs / 'cifar'}", file=sys.stderr)
         return 1
     t1, norms, deep = table1(runs), norm_table(runs), deep_table(runs)
-    faces = face_rows(args.runs, args.baselines)
+    faces = face_rows(args.runs, args.baselines, args.loss_table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hyperspherical.md").write_text(markdown(t1, norms, deep, faces))
     report = {"table1": t1, "normalisation": norms, "deep": deep, "faces": faces, "runs": runs}
