@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, parse_override, read_toml
+from training.opt import OPTTraining, describe_refinement, refine_as_configured
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ class CifarConfig:
     lr: float = 1e-3
     lr_drops: list[float] = field(default_factory=lambda: [34 / 64, 54 / 64])
     weight_decay: float = 0.0
+    #: ``adam`` (SphereNet's CIFAR runs) or ``sgd`` with ``momentum`` (the OPT paper's: lr 0.1, 0.9).
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    #: As the face trainer's: ``none`` or an OPT method (models.nets.opt), and its options (training.opt).
+    opt: str = "none"
+    opt_options: dict[str, Any] = field(default_factory=dict)
     flip: bool = True
     #: Use only the first N training images of each class (None: all 5,000).
     train_per_class: int | None = None
@@ -107,6 +114,7 @@ class CifarConfig:
     def validate(self) -> None:
         from models.nets.hyperspherical import OperatorSpec
         from training.losses import HEADS
+        from training.opt import opt_settings
 
         checks = [
             (self.task == "cifar10", "task must be cifar10"),
@@ -119,6 +127,12 @@ class CifarConfig:
             (self.train_per_class is None or 1 <= self.train_per_class <= 5000, "train_per_class is 1..5000"),
             (1 <= self.eval_images <= 10000, "eval_images is 1..10000"),
             (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
+            (self.optimizer in ("adam", "sgd"), "optimizer must be adam or sgd"),
+            (
+                self.opt == "none" or self.operator == "conv",
+                "opt and a hyperspherical operator exclude each other",
+            ),
+            (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
             (
                 self.operator != "conv"
                 or not (self.orthogonality_weight or self.weight_projection_every or self.weighted_gradients),
@@ -129,11 +143,12 @@ class CifarConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        if self.operator != "conv":
-            try:
+        try:
+            if self.operator != "conv":
                 OperatorSpec.from_options(self.operator, self.operator_options)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            opt_settings(self.opt, self.opt_options)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def lr_factor(self, step: int) -> float:
         return 0.1 ** sum(step >= max(1, round(f * self.steps)) for f in self.lr_drops)
@@ -276,11 +291,13 @@ def build_cifar_model(config: CifarConfig) -> CifarClassifier:
     from models.nets.hyperspherical import HypersphericalSettings, enable_weighted_gradients
     from models.nets.plain_cnn import PlainCNN
     from training.losses import LambdaSchedule, build_head
+    from training.opt import opt_settings
 
     net = PlainCNN(
         config.convs_per_stage, tuple(config.widths), config.embedding_size, config.batch_norm, config.relu
     )
     HypersphericalSettings(config.operator, dict(config.operator_options), config.operator_fc).apply(net)
+    opt_settings(config.opt, config.opt_options).apply(net)
     if config.weighted_gradients:
         enable_weighted_gradients(net)
     options = dict(config.head_options)
@@ -333,16 +350,22 @@ def read_cifar_log(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
-                    x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:  # fmt: skip
+                    x: torch.Tensor, y: torch.Tensor,
+                    opt: OPTTraining) -> tuple[float, float, float]:  # fmt: skip
     from models.nets.hyperspherical import orthogonality_penalty, project_weights_
 
     out = model.head(model.net(x), y, step=step)
     loss = out.loss
     if config.orthogonality_weight > 0:
         loss = loss + config.orthogonality_weight * orthogonality_penalty(model.net)
+    opt_penalty = opt.penalty()
+    if opt_penalty is not None:
+        loss = loss + opt_penalty
     optimiser.zero_grad(set_to_none=True)
     loss.backward()
+    opt.after_backward(optimiser.param_groups[0]["lr"])
     optimiser.step()
+    opt.after_step(optimiser, step)
     renormalise = getattr(model.head, "renormalise_", None)
     if renormalise is not None:
         renormalise()
@@ -355,17 +378,28 @@ def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, co
 
 def _param_groups(model: nn.Module, config: CifarConfig) -> list[dict[str, Any]]:
     from models.nets.hyperspherical import HYPERSPHERICAL_LAYERS, operator_parameters
+    from models.nets.opt import ogd_parameters, rotation_parameters
 
-    undecayed = operator_parameters(model)
+    undecayed = operator_parameters(model) | {id(p) for p in rotation_parameters(model)}
+    own_update = {id(p) for p in ogd_parameters(model)}
     decay, plain = [], []
     for sub in model.modules():
         for name, param in sub.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in own_update:
+                continue
             skip = (
                 isinstance(sub, (nn.BatchNorm1d, nn.BatchNorm2d)) or id(param) in undecayed or name == "bias"
             )
             skip = skip or (config.orthogonality_weight > 0 and isinstance(sub, HYPERSPHERICAL_LAYERS))
             (plain if skip else decay).append(param)
     return [{"params": decay, "weight_decay": config.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def _make_optimiser(model: nn.Module, config: CifarConfig) -> torch.optim.Optimizer:
+    groups = _param_groups(model, config)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    return torch.optim.Adam(groups, lr=config.lr)
 
 
 def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
@@ -388,14 +422,18 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     test_x, test_y = to_tensor(data["test_images"]), torch.from_numpy(data["test_labels"])
     sample = periodic_sample(len(test_y), config.eval_images)
     model = build_cifar_model(config)
-    optimiser = torch.optim.Adam(_param_groups(model, config), lr=config.lr)
+    optimiser = _make_optimiser(model, config)
+    energies = refine_as_configured(model.net, config.opt, config.opt_options)
+    if energies:
+        log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
+    opt = OPTTraining(model.net, config.opt, config.opt_options, seed=config.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
     rows: list[dict[str, Any]] = []
     interval: list[tuple[float, float]] = []
     started = time.perf_counter()
     bar = tqdm(range(config.steps), desc=config.name, disable=not progress, mininterval=2)
     for step in bar:
-        loss, accuracy, lam = _optimiser_step(model, optimiser, config, step, *batches.next())
+        loss, accuracy, lam = _optimiser_step(model, optimiser, config, step, *batches.next(), opt)
         scheduler.step()
         if not np.isfinite(loss):
             raise FloatingPointError(f"{config.name}: the loss became {loss} at step {step + 1}; lower lr")

@@ -28,6 +28,7 @@ from models.errors import FacePathError
 
 if TYPE_CHECKING:
     from models.nets.hyperspherical import HypersphericalSettings
+    from models.nets.opt import OPTSettings
 
 
 class ConfigError(FacePathError):
@@ -82,6 +83,12 @@ class TrainConfig:
     weight_projection_every: int = 0
     #: DCNet weighted gradients: each operator kernel's gradient times ``||w||`` (Eq. 4.17-4.18).
     weighted_gradients: bool = False
+    #: Orthogonal over-parameterised training (OPT, models.nets.opt): ``none`` or how R is learned,
+    #: ``gs``, ``hr``, ``ls``, ``cp``, ``ogd``, ``or`` (relaxed) or ``upt`` (unconstrained control).
+    opt: str = "none"
+    #: OPT's layer and training options (training.opt), e.g. ``{ stochastic_dims = 144 }`` (S-OPT),
+    #: ``{ block_size = 64, shared_blocks = false }``, ``{ skip = ["fc1"] }``, ``{ refine_steps = 500 }``.
+    opt_options: dict[str, Any] = field(default_factory=dict)
     #: Hidden-layer MHE (Eq. 5.4) weight; 0 turns it off.
     hidden_mhe_weight: float = 0.0
     hidden_mhe_half_space: bool = False
@@ -170,12 +177,18 @@ class TrainConfig:
                 "the operator options and optimiser options need operator = sphereconv (or another "
                 "hyperspherical operator), not conv",
             ),
+            (
+                self.opt == "none" or self.operator == "conv",
+                "opt and a hyperspherical operator exclude each other",
+            ),
+            (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         try:
             self.operator_settings()
+            self.opt_settings()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -186,6 +199,12 @@ class TrainConfig:
         if self.operator != "conv":
             OperatorSpec.from_options(self.operator, self.operator_options)
         return HypersphericalSettings(self.operator, dict(self.operator_options), self.operator_fc)
+
+    def opt_settings(self) -> OPTSettings:
+        """The network's OPT choice (checked: unknown methods and options raise ValueError)."""
+        from training.opt import opt_settings
+
+        return opt_settings(self.opt, self.opt_options)
 
     def to_toml(self) -> str:
         """The resolved config as TOML (None values are left out: they mean the default)."""

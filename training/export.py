@@ -55,8 +55,11 @@ def _training_data_text(config: dict[str, Any]) -> str:
 
 
 def _operator_text(config: dict[str, Any]) -> str:
-    """`` with sphereconv (angular=sigmoid, k=0.3)`` for a hyperspherical network; empty otherwise."""
+    """`` with sphereconv (angular=sigmoid, k=0.3)`` or `` with OPT-GS, R folded in``; else empty."""
     operator = config.get("operator", "conv")
+    if config.get("opt", "none") != "none":
+        options = ", ".join(f"{k}={v}" for k, v in config.get("opt_options", {}).items())
+        return f" with OPT-{config['opt'].upper()}" + (f" ({options})" if options else "") + ", R folded in"
     if operator == "conv":
         return ""
     options = ", ".join(f"{k}={v}" for k, v in config.get("operator_options", {}).items())
@@ -99,7 +102,9 @@ def export_checkpoint(
     """
     from models.nets import build_network
     from models.nets.hyperspherical import HypersphericalSettings
+    from models.nets.opt import fold_opt
     from models.onnx_export import export_checked
+    from training.opt import opt_settings
     from training.trainer import load_checkpoint
 
     state = load_checkpoint(checkpoint)
@@ -109,8 +114,10 @@ def export_checkpoint(
         dict(config.get("operator_options", {})),
         config.get("operator_fc", False),
     )
-    net = build_network(state["network"], state["embedding_size"], operator)
+    opt = opt_settings(config.get("opt", "none"), config.get("opt_options", {}))
+    net = build_network(state["network"], state["embedding_size"], operator, opt)
     net.load_state_dict(state["net"])
+    fold_opt(net)  # R v into plain layers: the exported graph costs what the plain network costs
     net.eval()
     out_dir = Path(out_dir)
     diff = export_checked(net, out_dir, input_shape=(3, 112, 96), parity_atol=parity_atol)

@@ -278,7 +278,8 @@ def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
+    if axes[2].get_legend_handles_labels()[0]:
+        axes[2].legend(fontsize=7)
     fig.suptitle(
         "SphereFace-4 + A-Softmax (m = 4) on celeba_faces + celeba_small: operator against convolution"
     )

@@ -128,15 +128,18 @@ def _param_groups(
     (not in the SphereFace nets; MobileFaceNet has it): ``lr``, not decayed. Hyperspherical
     operators: their own parameters (sigmoid ``k``, radius ``rho``, SphereNorm rescaling) are not
     decayed, and with the ``orthogonality`` regulariser their kernels are not either (it replaces
-    weight decay, SphereNet §2.4).
+    weight decay, SphereNet §2.4). OPT layers: ``R``'s parameter is not decayed, and ``ogd``'s is left
+    out (:func:`models.nets.opt.ogd_step_` moves it).
     """
+    from models.nets.opt import ogd_parameters, rotation_parameters
 
     norm_types = (nn.BatchNorm1d, nn.BatchNorm2d)
-    undecayed = operator_parameters(module)
+    undecayed = operator_parameters(module) | {id(p) for p in rotation_parameters(module)}
+    own_update = {id(p) for p in ogd_parameters(module)}
     decay, biases, norms = [], [], []
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
-            if not param.requires_grad:
+            if not param.requires_grad or id(param) in own_update:
                 continue
             if isinstance(sub, norm_types) or id(param) in undecayed:
                 norms.append(param)
@@ -169,7 +172,9 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
     from models.nets import build_network
     from training.losses import LambdaSchedule, build_head
 
-    net = build_network(config.network, config.embedding_size, config.operator_settings())
+    net = build_network(
+        config.network, config.embedding_size, config.operator_settings(), config.opt_settings()
+    )
     if config.weighted_gradients:
         from models.nets.hyperspherical import enable_weighted_gradients
 
@@ -544,6 +549,7 @@ class _Run:
     bf16: bool
     start_step: int
     hidden_mhe: Any = None
+    opt: Any = None  # training.opt.OPTTraining when the config sets opt
     lfw_check: LFWCheck | None = None
     csv_log: CsvLog | None = None
     first_feature_norm: float | None = None
@@ -621,6 +627,8 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
         model.head.load_state_dict(state["head"])
     elif config.init_from:
         _init_from(model, config.init_from)
+    if state is None and config.opt != "none":
+        _refine_opt_neurons(model.net, config)
     model.to(ctx.device)
     if ctx.device.type == "cuda":
         model.net.to(memory_format=torch.channels_last)
@@ -641,6 +649,12 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
     run = _Run(config, ctx, data, model, trained, optimizer, scheduler, loader, loader_kind, bf16, 0)
     if state is not None:
         _resume_from(run, state)
+    if config.opt != "none":
+        from training.opt import OPTTraining
+
+        run.opt = OPTTraining(
+            model.net, config.opt, config.opt_options, seed=config.seed
+        )  # every rank draws the same S-OPT coordinates
     if config.hidden_mhe_weight > 0:
         from training.losses import HiddenMHE
 
@@ -658,6 +672,15 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
             data.num_classes, run.start_step, config.steps,
         )  # fmt: skip
     return run
+
+
+def _refine_opt_neurons(net: nn.Module, config: TrainConfig) -> None:
+    """OPT's optional pre-training energy minimisation of the fixed neurons ``v`` (§3.7)."""
+    from training.opt import describe_refinement, refine_as_configured
+
+    energies = refine_as_configured(net, config.opt, config.opt_options)
+    if energies:
+        log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
 
 
 def _resume_from(run: _Run, state: dict[str, Any]) -> None:
@@ -714,10 +737,17 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
         total = loss + run.hidden_mhe(run.model.net) if run.hidden_mhe is not None else loss
         if run.config.orthogonality_weight > 0:
             total = total + run.config.orthogonality_weight * orthogonality_penalty(run.model.net)
+        opt_penalty = run.opt.penalty() if run.opt is not None else None
+        if opt_penalty is not None:
+            total = total + opt_penalty
     run.optimizer.zero_grad(set_to_none=True)
     total.backward()
+    if run.opt is not None:
+        run.opt.after_backward(run.optimizer.param_groups[0]["lr"])
     run.optimizer.step()
     run.scheduler.step()
+    if run.opt is not None:
+        run.opt.after_step(run.optimizer, step)
     _renormalise_head(run.model.head)
     every = run.config.weight_projection_every
     if every and (step + 1) % every == 0:
@@ -853,6 +883,8 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
         "network": config.network,
         "operator": config.operator,
         "operator_options": config.operator_options,
+        "opt": config.opt,
+        "opt_options": config.opt_options,
         "head": config.head,
         "head_options": config.head_options,
         "init_from": config.init_from,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from models.nets.hyperspherical import HypersphericalSettings
+    from models.nets.opt import OPTSettings
 
 #: Names accepted by :func:`build_network`.
 NETWORKS: tuple[str, ...] = (
@@ -25,18 +26,23 @@ NETWORKS: tuple[str, ...] = (
 
 
 def build_network(
-    name: str, embedding_size: int | None = None, operator: HypersphericalSettings | None = None
+    name: str,
+    embedding_size: int | None = None,
+    operator: HypersphericalSettings | None = None,
+    opt: OPTSettings | None = None,
 ) -> torch.nn.Module:
     """A freshly initialised network by name (one of :data:`NETWORKS`).
 
     ``sphereface<depth>`` -> :class:`~models.nets.sphereface.SphereFaceNet` (default embedding
     size 512); ``mobilefacenet`` -> :class:`~models.nets.mobilefacenet.MobileFaceNet` (default
     128). ``operator``: hyperspherical operators in place of the convolutions (and the fully
-    connected layers when it says so), :mod:`models.nets.hyperspherical`. Raises ValueError for an
-    unknown name.
+    connected layers when it says so), :mod:`models.nets.hyperspherical`. ``opt``: orthogonal
+    over-parameterised layers (:mod:`models.nets.opt`). Raises ValueError for an unknown name.
     """
     net = _build_plain_network(name, embedding_size)
-    return operator.apply(net) if operator is not None else net
+    if operator is not None:
+        net = operator.apply(net)
+    return opt.apply(net) if opt is not None else net
 
 
 def _build_plain_network(name: str, embedding_size: int | None) -> torch.nn.Module:

@@ -1,0 +1,156 @@
+"""The trainer's side of OPT and S-OPT (SPEC.md §5.3): options, the optimiser hooks, the refinement of ``v``.
+
+The layers are :mod:`models.nets.opt`. A config turns OPT on with ``opt = "<method>"`` and one
+``opt_options`` table that holds the layer options (:class:`models.nets.opt.OPTSpec`: ``normalize_v``,
+``learn_v``, ``block_size``, ``shared_blocks``, ``stochastic_dims``) and these training options:
+
+* ``skip``: qualified names of layers trained as usual (e.g. ``["fc1"]``; the papers' classifier is
+  never OPT-trained here, it is the loss head);
+* ``relaxed_weight``: beta of the relaxed method ``or`` (Eq. 5), default :data:`DEFAULT_RELAXED_WEIGHT`;
+* ``inner_steps``: S-OPT's ``N_in``, steps between two outer steps (Algorithm 1), default 750 as the
+  paper's CIFAR-100 runs;
+* ``refine_steps``, ``refine_half_space``: minimise the (half-space) hyperspherical energy of every
+  layer's ``v`` for this many gradient steps before training (§3.7; 0: off, the papers' default).
+
+:class:`OPTTraining` is what the training loops call: the penalty to add to the loss, the
+orthogonality-preserving update after ``backward`` and S-OPT's outer step after ``optimizer.step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.nets.opt import (
+    OPTSettings,
+    OPTSpec,
+    ogd_step_,
+    opt_layers,
+    relaxed_orthogonality_penalty,
+    stochastic_outer_step_,
+)
+
+DEFAULT_RELAXED_WEIGHT = 1e-3
+"""beta of ``or`` when the config does not set one (the paper does not print its value)."""
+DEFAULT_INNER_STEPS = 750
+"""S-OPT's ``N_in`` of the paper's CIFAR-100 runs."""
+
+
+@dataclass(frozen=True)
+class OPTOptions:
+    """The training options of ``opt_options`` (the rest are the layers' :class:`OPTSpec`)."""
+
+    skip: tuple[str, ...] = ()
+    relaxed_weight: float = DEFAULT_RELAXED_WEIGHT
+    inner_steps: int = DEFAULT_INNER_STEPS
+    refine_steps: int = 0
+    refine_half_space: bool = False
+    layer_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, method: str, options: dict[str, Any] | None) -> OPTOptions:
+        """Split ``opt_options`` and check both halves (ValueError names the bad key or value)."""
+        options = dict(options or {})
+        own = {f.name for f in fields(cls)} - {"layer_options"}
+        mine = {k: options.pop(k) for k in list(options) if k in own}
+        if "skip" in mine:
+            mine["skip"] = tuple(mine["skip"])
+        parsed = cls(layer_options=options, **mine)
+        OPTSpec.from_options(method, options)  # unknown layer options and bad values raise here
+        if parsed.relaxed_weight < 0 or parsed.inner_steps < 1 or parsed.refine_steps < 0:
+            raise ValueError("relaxed_weight must be >= 0, inner_steps >= 1 and refine_steps >= 0")
+        return parsed
+
+
+def opt_settings(method: str, options: dict[str, Any] | None) -> OPTSettings:
+    """What :func:`models.nets.build_network` applies to the network (``method = "none"``: nothing)."""
+    if method == "none":
+        return OPTSettings()
+    parsed = OPTOptions.parse(method, options)
+    return OPTSettings(method, parsed.layer_options, parsed.skip)
+
+
+class OPTTraining:
+    """The per-step OPT work of one network (a no-op object when it has no OPT layers)."""
+
+    def __init__(self, net: nn.Module, method: str, options: dict[str, Any] | None, seed: int = 0) -> None:
+        self.net = net
+        self.method = method
+        self.options = OPTOptions.parse(method, options) if method != "none" else OPTOptions()
+        self.has_layers = any(True for _ in opt_layers(net))
+        self.stochastic = any(layer.stochastic_dims for layer in opt_layers(net))
+        self.generator = torch.Generator().manual_seed(seed + 1_000_003)
+
+    def penalty(self) -> Tensor | None:
+        """``beta ||U^T U - I||_F^2`` for ``or`` (None otherwise)."""
+        if self.method != "or" or not self.has_layers:
+            return None
+        return self.options.relaxed_weight * relaxed_orthogonality_penalty(self.net)
+
+    def after_backward(self, lr: float) -> None:
+        """``ogd``: move every ``R`` along its Cayley curve (before ``optimizer.step``)."""
+        if self.method == "ogd":
+            ogd_step_(self.net, lr)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """S-OPT: every ``inner_steps`` steps fold ``R_p`` into ``v``, redraw, reset, clear its momentum."""
+        if not self.stochastic or (step + 1) % self.options.inner_steps:
+            return
+        for param in stochastic_outer_step_(self.net, self.generator):
+            optimizer.state.pop(param, None)
+
+
+def layer_energy(layer: nn.Module, half_space: bool = False) -> float:
+    """The normalised hyperspherical energy (s = 2) of an OPT layer's current neurons ``R v``."""
+    from training.losses import mhe_energy
+
+    with torch.no_grad():
+        return float(mhe_energy(layer.weight_matrix().double(), power=2, half_space=half_space))
+
+
+def refine_initial_neurons_(
+    net: nn.Module, steps: int, half_space: bool = False, lr: float = 0.1
+) -> list[tuple[float, float]]:
+    """Minimise each OPT layer's energy of ``v`` for ``steps`` steps (§3.7); (before, after) per layer.
+
+    Gradient descent on ``v`` alone (its norms are kept: only the directions move), s = 2.
+    """
+    from training.losses import mhe_energy
+
+    report = []
+    for layer in opt_layers(net):
+        v = layer.v.detach().clone().requires_grad_(True)
+        norms = v.norm(dim=1, keepdim=True).detach()
+        before = float(mhe_energy(v.detach().double(), power=2, half_space=half_space))
+        optimizer = torch.optim.SGD([v], lr=lr, momentum=0.9)
+        for _ in range(steps):
+            energy = mhe_energy(v, power=2, half_space=half_space)
+            optimizer.zero_grad()
+            energy.backward()
+            optimizer.step()
+        with torch.no_grad():
+            refined = nn.functional.normalize(v, dim=1) * norms
+            layer.v.copy_(refined)
+        after = float(mhe_energy(refined.double(), power=2, half_space=half_space))
+        report.append((before, after))
+    return report
+
+
+def refine_as_configured(
+    net: nn.Module, method: str, options: dict[str, Any] | None
+) -> list[tuple[float, float]]:
+    """:func:`refine_initial_neurons_` with the config's ``refine_steps`` (empty list when 0 or no OPT)."""
+    if method == "none":
+        return []
+    parsed = OPTOptions.parse(method, options)
+    if not parsed.refine_steps:
+        return []
+    return refine_initial_neurons_(net, parsed.refine_steps, parsed.refine_half_space)
+
+
+def describe_refinement(energies: list[tuple[float, float]]) -> str:
+    """``0.5123 -> 0.5101, ...``: each layer's energy of ``v`` before and after the refinement."""
+    return ", ".join(f"{before:.4f} -> {after:.4f}" for before, after in energies)
