@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from training.comhe import hidden_regulariser
 from training.config import ConfigError, parse_override, read_toml
 from training.opt import OPTTraining, describe_refinement, refine_as_configured
 
@@ -96,6 +97,11 @@ class CifarConfig:
     #: As the face trainer's: ``none`` or an OPT method (models.nets.opt), and its options (training.opt).
     opt: str = "none"
     opt_options: dict[str, Any] = field(default_factory=dict)
+    #: Hidden-layer MHE (Eq. 5.4) or compressive MHE, as the face trainer's (training.comhe).
+    hidden_mhe_weight: float = 0.0
+    hidden_mhe_half_space: bool = False
+    hidden_mhe_projection: str = "none"
+    hidden_mhe_options: dict[str, Any] = field(default_factory=dict)
     flip: bool = True
     #: Use only the first N training images of each class (None: all 5,000).
     train_per_class: int | None = None
@@ -147,6 +153,10 @@ class CifarConfig:
             if self.operator != "conv":
                 OperatorSpec.from_options(self.operator, self.operator_options)
             opt_settings(self.opt, self.opt_options)
+            if self.hidden_mhe_weight > 0:
+                hidden_regulariser(1.0, False, self.hidden_mhe_projection, self.hidden_mhe_options)
+            elif self.hidden_mhe_projection != "none" or self.hidden_mhe_options:
+                raise ValueError("hidden_mhe_projection and hidden_mhe_options need hidden_mhe_weight > 0")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -351,7 +361,7 @@ def read_cifar_log(path: str | Path) -> dict[str, np.ndarray]:
 
 def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
                     x: torch.Tensor, y: torch.Tensor,
-                    opt: OPTTraining) -> tuple[float, float, float]:  # fmt: skip
+                    opt: OPTTraining, hidden_mhe: Any = None) -> tuple[float, float, float]:  # fmt: skip
     from models.nets.hyperspherical import orthogonality_penalty, project_weights_
 
     out = model.head(model.net(x), y, step=step)
@@ -361,6 +371,8 @@ def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, co
     opt_penalty = opt.penalty()
     if opt_penalty is not None:
         loss = loss + opt_penalty
+    if hidden_mhe is not None:
+        loss = loss + hidden_mhe(model.net)
     optimiser.zero_grad(set_to_none=True)
     loss.backward()
     opt.after_backward(optimiser.param_groups[0]["lr"])
@@ -427,13 +439,21 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     if energies:
         log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
     opt = OPTTraining(model.net, config.opt, config.opt_options, seed=config.seed)
+    hidden_mhe = None
+    if config.hidden_mhe_weight > 0:
+        hidden_mhe = hidden_regulariser(
+            config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
+            config.hidden_mhe_options, seed=config.seed,
+        )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
     rows: list[dict[str, Any]] = []
     interval: list[tuple[float, float]] = []
     started = time.perf_counter()
     bar = tqdm(range(config.steps), desc=config.name, disable=not progress, mininterval=2)
     for step in bar:
-        loss, accuracy, lam = _optimiser_step(model, optimiser, config, step, *batches.next(), opt)
+        loss, accuracy, lam = _optimiser_step(
+            model, optimiser, config, step, *batches.next(), opt, hidden_mhe
+        )
         scheduler.step()
         if not np.isfinite(loss):
             raise FloatingPointError(f"{config.name}: the loss became {loss} at step {step + 1}; lower lr")

@@ -92,6 +92,10 @@ class TrainConfig:
     #: Hidden-layer MHE (Eq. 5.4) weight; 0 turns it off.
     hidden_mhe_weight: float = 0.0
     hidden_mhe_half_space: bool = False
+    #: Compressive MHE (training.comhe): ``none`` (plain MHE), ``random``, ``angle`` or ``group``,
+    #: and its options, e.g. ``{ dim = 30, projections = 5 }`` or ``{ unrolled = true }``.
+    hidden_mhe_projection: str = "none"
+    hidden_mhe_options: dict[str, Any] = field(default_factory=dict)
     #: Global batch size (split evenly over the torchrun processes).
     batch_size: int = 256
     steps: int = 28000
@@ -182,6 +186,18 @@ class TrainConfig:
                 "opt and a hyperspherical operator exclude each other",
             ),
             (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
+            (
+                self.hidden_mhe_projection in ("none", "random", "angle", "group"),
+                "hidden_mhe_projection must be none, random, angle or group",
+            ),
+            (
+                self.hidden_mhe_projection == "none" or self.hidden_mhe_weight > 0,
+                "hidden_mhe_projection needs hidden_mhe_weight > 0",
+            ),
+            (
+                self.hidden_mhe_projection != "none" or not self.hidden_mhe_options,
+                "hidden_mhe_options need hidden_mhe_projection = random, angle or group",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -189,6 +205,9 @@ class TrainConfig:
         try:
             self.operator_settings()
             self.opt_settings()
+            from training.comhe import CoMHEOptions
+
+            CoMHEOptions.from_options(self.hidden_mhe_options)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

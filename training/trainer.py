@@ -656,9 +656,12 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
             model.net, config.opt, config.opt_options, seed=config.seed
         )  # every rank draws the same S-OPT coordinates
     if config.hidden_mhe_weight > 0:
-        from training.losses import HiddenMHE
+        from training.comhe import hidden_regulariser
 
-        run.hidden_mhe = HiddenMHE(weight=config.hidden_mhe_weight, half_space=config.hidden_mhe_half_space)
+        run.hidden_mhe = hidden_regulariser(
+            config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
+            config.hidden_mhe_options, seed=config.seed,
+        )  # fmt: skip
     if config.lfw and ctx.is_main:
         run.lfw_check = LFWCheck(
             config.lfw, config.lfw_pairs_per_fold, ctx.device, bf16, config.lfw_landmarks
