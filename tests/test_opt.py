@@ -404,3 +404,54 @@ def tiny_prepared_opt(tmp_path_factory):
     source = require_shared("celeba_faces")
     out = tmp_path_factory.mktemp("prepared") / "celeba2"
     return prepare_dataset(source, out, limit_identities=2, workers=2, progress=False)
+
+
+def test_every_opt_cifar_config_loads_and_builds_the_network_it_names():
+    from pathlib import Path
+
+    from training.cifar import build_cifar_model, load_cifar_config
+
+    configs = sorted(
+        (Path(__file__).resolve().parent.parent / "training/configs/opt/cifar").glob("cnn6_*.toml")
+    )
+    assert len(configs) >= 15
+    for path in configs:
+        config = load_cifar_config(path)
+        assert config.name == path.stem and config.optimizer == "sgd"
+        net = build_cifar_model(config).net
+        layers = list(opt_layers(net))
+        if config.opt == "none":
+            assert not layers
+        else:
+            assert len(layers) == 7 and {layer.method for layer in layers} == {config.opt}  # 6 convs + FC
+
+
+@pytest.mark.shared_data
+def test_cifar_runs_with_s_opt_and_with_compressive_mhe_train_and_keep_what_they_promise(tmp_path):
+    from pathlib import Path
+
+    from tests.conftest import require_shared
+    from training.cifar import build_cifar_model, load_cifar_config, train_cifar
+
+    archive = require_shared("cifar10/cifar10-jpg.tar.gz")
+    configs = Path(__file__).resolve().parent.parent / "training/configs/opt/cifar"
+    common = [f"out_dir={tmp_path}", "steps=12", "log_every=6", "eval_every=6", "widths=[8, 8, 8]",
+              "embedding_size=16", "train_per_class=30", f"archive={archive}",
+              "cache=.cache/data/cifar10.npz"]  # fmt: skip
+    sopt = load_cifar_config(
+        configs / "cnn6_sopt_cp.toml", [*common, "opt_options={ stochastic_dims = 18, inner_steps = 5 }"]
+    )
+    torch.manual_seed(sopt.seed)  # as train_cifar does before building: the same v
+    initial = [_energy(layer.weight) for layer in opt_layers(build_cifar_model(sopt).net)]
+    summary = train_cifar(sopt, progress=False)
+    assert 0.0 < summary["test_accuracy"] < 1.0
+    state = torch.load(tmp_path / sopt.name / "model.pt", weights_only=False)["net"]
+    trained = build_cifar_model(sopt).net
+    trained.load_state_dict(state)
+    layers = list(opt_layers(trained))
+    assert any(layer.stochastic_dims for layer in layers)
+    for layer, energy in zip(layers, initial, strict=True):
+        assert _energy(layer.weight) == pytest.approx(energy, rel=1e-3)  # two outer steps later (Theorem 2)
+    comhe = load_cifar_config(configs / "cnn6_rp_comhe.toml", [*common, "hidden_mhe_options={ dim = 6 }"])
+    summary = train_cifar(comhe, progress=False)
+    assert 0.0 < summary["test_accuracy"] < 1.0 and summary["config"]["hidden_mhe_projection"] == "random"
