@@ -186,12 +186,15 @@ class OPTSpec:
     block_size: int = 0
     shared_blocks: bool = True
     stochastic_dims: int = 0
+    #: Raise the initial energy (OPT Table 4): every ``v_i`` gets ``v_shift * ||v_i||`` (in expectation)
+    #: along one common random direction before it is frozen; 0 keeps the Gaussian draw.
+    v_shift: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in OPT_METHODS:
             raise ValueError(f"unknown OPT method {self.method!r}; expected one of: {', '.join(OPT_METHODS)}")
-        if self.block_size < 0 or self.stochastic_dims < 0:
-            raise ValueError("block_size and stochastic_dims must be >= 0")
+        if self.block_size < 0 or self.stochastic_dims < 0 or self.v_shift < 0:
+            raise ValueError("block_size, stochastic_dims and v_shift must be >= 0")
         if self.block_size and self.stochastic_dims:
             raise ValueError(
                 "block_size (parameter-efficient OPT) and stochastic_dims (S-OPT) exclude each other"
@@ -224,6 +227,9 @@ class _OPTBase(nn.Module):
         d = math.prod(self.neuron_shape)
         std = float(initial.float().std()) if initial.numel() > 1 else 1.0
         v = torch.randn((n, d), generator=generator) * std  # zero-mean Gaussian (Theorem 1)
+        if spec.v_shift:
+            common = F.normalize(torch.randn(d, generator=generator), dim=0)
+            v = v + spec.v_shift * std * math.sqrt(d) * common
         if spec.normalize_v:
             v = F.normalize(v, dim=1)
         if spec.learn_v:
