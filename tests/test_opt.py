@@ -299,6 +299,35 @@ def test_v_shift_raises_the_initial_energy_step_by_step_for_table_4():
     assert energies[1] < 1.01 * energies[0]  # a small shift is a small rise, as Table 4's 3.5109 -> 3.5117
 
 
+@pytest.mark.parametrize("method", ["cp", "ogd"])
+def test_cls_opt_learns_the_classifier_as_r_v_and_keeps_its_energy(method):
+    from models.nets.opt import apply_classifier_opt
+    from training.losses import ASoftmaxHead
+
+    torch.manual_seed(8)
+    head = apply_classifier_opt(ASoftmaxHead(16, 10, m=2), OPTSpec(method, normalize_v=True))
+    layer = next(opt_layers(head))
+    torch.testing.assert_close(head.weight, layer.v @ layer.rotation().T)
+    torch.testing.assert_close(head.weight.norm(dim=1), torch.ones(10))  # normalised v: unit rows
+    energy, weight = _energy(head.weight), head.weight.detach().clone()
+    training = OPTTraining(head, method, {"normalize_v": True, "classifier": True})
+    optimizer = torch.optim.SGD(
+        [p for p in head.parameters() if id(p) not in {id(q) for q in _ogd(head)}], lr=0.5
+    )
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    for step in range(10):
+        loss = head(x, y, step=step).loss
+        optimizer.zero_grad()
+        loss.backward()
+        training.after_backward(0.5)
+        optimizer.step()
+        head.renormalise_()  # the trainer's call: harmless under CLS-OPT
+    assert (head.weight.detach() - weight).abs().max() > 1e-3
+    assert _energy(head.weight) == pytest.approx(energy, rel=1e-4)
+    with pytest.raises(ValueError, match="no \\(classes, features\\) weight"):
+        apply_classifier_opt(nn.ReLU(), OPTSpec("gs"))
+
+
 def test_refinement_lowers_the_energy_of_v_and_keeps_its_norms():
     net = _small_net(OPTSpec("gs"))
     norms = [layer.v.norm(dim=1).clone() for layer in opt_layers(net)]
@@ -383,11 +412,13 @@ def test_an_opt_network_trains_exports_with_r_folded_in_and_is_served(
     overrides = [
         f"data={tiny_prepared_opt.path}", f"out_dir={tmp_path}", "name=optgs", "network=sphereface4",
         "batch_size=8", "log_every=1", "checkpoint_every=10", 'lfw=""', "threads=1", "steps=3",
-        'opt="gs"', 'opt_options={ skip = ["fc1"], block_size = 64, shared_blocks = false }',
+        'opt="gs"',
+        'opt_options={ skip = ["fc1"], block_size = 64, shared_blocks = false, classifier = true }',
     ]  # fmt: skip
     result = train(load_config(None, overrides), progress=False)
     state = torch.load(result.run_dir / "checkpoint.pt", weights_only=False)
     assert any(key.endswith("rotation_parameter") for key in state["net"])
+    assert any(key.endswith("weight.0.rotation_parameter") for key in state["head"])  # CLS-OPT
     model_dir = tmp_path / "model"
     manifest, report = export_checkpoint(result.run_dir, model_dir, progress=False)
     assert "OPT-GS" in manifest.source and report["onnx_parity_max_abs_diff"] < 1e-3

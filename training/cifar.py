@@ -41,7 +41,12 @@ from torch import nn
 
 from training.comhe import hidden_regulariser
 from training.config import ConfigError, parse_override, read_toml
-from training.opt import OPTTraining, describe_refinement, refine_as_configured
+from training.opt import (
+    OPTTraining,
+    apply_classifier_opt_as_configured,
+    describe_refinement,
+    refine_as_configured,
+)
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +322,7 @@ def build_cifar_model(config: CifarConfig) -> CifarClassifier:
             LambdaSchedule(config.lambda_base, config.lambda_gamma, config.lambda_power, config.lambda_min),
         )
     head = build_head(config.head, config.embedding_size, len(CLASSES), **options)
+    apply_classifier_opt_as_configured(head, config.opt, config.opt_options)
     return CifarClassifier(net, head)
 
 
@@ -438,7 +444,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     energies = refine_as_configured(model.net, config.opt, config.opt_options)
     if energies:
         log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
-    opt = OPTTraining(model.net, config.opt, config.opt_options, seed=config.seed)
+    opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)  # the head too (CLS-OPT)
     hidden_mhe = None
     if config.hidden_mhe_weight > 0:
         hidden_mhe = hidden_regulariser(

@@ -4,8 +4,9 @@ The layers are :mod:`models.nets.opt`. A config turns OPT on with ``opt = "<meth
 ``opt_options`` table that holds the layer options (:class:`models.nets.opt.OPTSpec`: ``normalize_v``,
 ``learn_v``, ``block_size``, ``shared_blocks``, ``stochastic_dims``) and these training options:
 
-* ``skip``: qualified names of layers trained as usual (e.g. ``["fc1"]``; the papers' classifier is
-  never OPT-trained here, it is the loss head);
+* ``skip``: qualified names of layers trained as usual (e.g. ``["fc1"]``);
+* ``classifier``: CLS-OPT, the loss head's classifier weight learned as ``R v`` too (off: the
+  papers leave the last layer alone);
 * ``relaxed_weight``: beta of the relaxed method ``or`` (Eq. 5), default :data:`DEFAULT_RELAXED_WEIGHT`;
 * ``inner_steps``: S-OPT's ``N_in``, steps between two outer steps (Algorithm 1), default 750 as the
   paper's CIFAR-100 runs;
@@ -44,6 +45,7 @@ class OPTOptions:
     """The training options of ``opt_options`` (the rest are the layers' :class:`OPTSpec`)."""
 
     skip: tuple[str, ...] = ()
+    classifier: bool = False
     relaxed_weight: float = DEFAULT_RELAXED_WEIGHT
     inner_steps: int = DEFAULT_INNER_STEPS
     refine_steps: int = 0
@@ -154,3 +156,14 @@ def refine_as_configured(
 def describe_refinement(energies: list[tuple[float, float]]) -> str:
     """``0.5123 -> 0.5101, ...``: each layer's energy of ``v`` before and after the refinement."""
     return ", ".join(f"{before:.4f} -> {after:.4f}" for before, after in energies)
+
+
+def apply_classifier_opt_as_configured(head: nn.Module, method: str, options: dict[str, Any] | None) -> None:
+    """CLS-OPT on ``head`` when the config's ``opt_options.classifier`` is true."""
+    from models.nets.opt import apply_classifier_opt
+
+    if method == "none":
+        return
+    parsed = OPTOptions.parse(method, options)
+    if parsed.classifier:
+        apply_classifier_opt(head, OPTSpec.from_options(method, parsed.layer_options))

@@ -171,6 +171,7 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
     """
     from models.nets import build_network
     from training.losses import LambdaSchedule, build_head
+    from training.opt import apply_classifier_opt_as_configured
 
     net = build_network(
         config.network, config.embedding_size, config.operator_settings(), config.opt_settings()
@@ -194,6 +195,7 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
             schedule = schedule.reaching_floor_at(config.lambda_floor_epochs * num_images / config.batch_size)
         options.setdefault("lambda_schedule", schedule)
     head = build_head(config.head, embedding_size, num_classes, **options)
+    apply_classifier_opt_as_configured(head, config.opt, config.opt_options)
     _renormalise_head(head)
     return FaceClassifier(net, head)
 
@@ -652,9 +654,9 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
     if config.opt != "none":
         from training.opt import OPTTraining
 
-        run.opt = OPTTraining(
-            model.net, config.opt, config.opt_options, seed=config.seed
-        )  # every rank draws the same S-OPT coordinates
+        # the whole model: the head is OPT-trained too under CLS-OPT; one seed for every rank, so
+        # that all draw the same S-OPT coordinates
+        run.opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)
     if config.hidden_mhe_weight > 0:
         from training.comhe import hidden_regulariser
 

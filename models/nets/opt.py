@@ -346,7 +346,23 @@ class OPTLinear(_OPTBase):
         return f"{self.in_features}, {self.out_features}, " + _opt_repr(self)
 
 
-OPT_LAYERS = (OPTConv2d, OPTLinear)
+class OPTClassifierWeight(_OPTBase):
+    """CLS-OPT: a parametrisation that makes a classifier's (C, D) ``weight`` equal to ``R v``.
+
+    Registered with ``torch.nn.utils.parametrize`` on a loss head (:func:`apply_classifier_opt`);
+    the head's original weight tensor stays in the state dict, unused (it gets no gradient).
+    """
+
+    def __init__(self, weight: Tensor, spec: OPTSpec, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self._init_opt(weight.detach(), spec, generator)
+        self.bias = None
+
+    def forward(self, _original: Tensor) -> Tensor:
+        return self.weight_matrix()
+
+
+OPT_LAYERS = (OPTConv2d, OPTLinear, OPTClassifierWeight)
 
 
 def _opt_repr(layer: _OPTBase) -> str:
@@ -415,6 +431,22 @@ def convert_to_opt(
         return None
 
     return _replace_layers(net, make, skip)
+
+
+def apply_classifier_opt(
+    head: nn.Module, spec: OPTSpec, generator: torch.Generator | None = None
+) -> nn.Module:
+    """CLS-OPT: the head's ``weight`` (C, D) becomes ``R v`` (D x D ``R``). Returns ``head``."""
+    from torch.nn.utils import parametrize
+
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"{type(head).__name__} has no (classes, features) weight for CLS-OPT")
+    _check_rotation_size("classifier", weight.shape[1], spec)
+    parametrize.register_parametrization(
+        head, "weight", OPTClassifierWeight(weight, spec, generator), unsafe=True
+    )
+    return head
 
 
 def fold_opt(net: nn.Module) -> nn.Module:
