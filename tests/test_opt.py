@@ -493,6 +493,12 @@ def test_cifar_runs_with_s_opt_and_with_compressive_mhe_train_and_keep_what_they
     assert any(layer.stochastic_dims for layer in layers)
     for layer, energy in zip(layers, initial, strict=True):
         assert _energy(layer.weight) == pytest.approx(energy, rel=1e-3)  # two outer steps later (Theorem 2)
+    recorded = summary["layer_energy"]
+    assert recorded["initial"] == pytest.approx(initial, rel=1e-6) and len(recorded["final"]) == 7
+    assert recorded["final"] == pytest.approx(recorded["initial"], rel=1e-3)
+    assert summary["orthogonality_error"] < 1e-4 and summary["trainable_parameters"] > 0
     comhe = load_cifar_config(configs / "cnn6_rp_comhe.toml", [*common, "hidden_mhe_options={ dim = 6 }"])
     summary = train_cifar(comhe, progress=False)
     assert 0.0 < summary["test_accuracy"] < 1.0 and summary["config"]["hidden_mhe_projection"] == "random"
+    energy = summary["layer_energy"]
+    assert energy["final"] != pytest.approx(energy["initial"], rel=1e-4)  # plain layers: their energy moves

@@ -45,7 +45,9 @@ from training.opt import (
     OPTTraining,
     apply_classifier_opt_as_configured,
     describe_refinement,
+    layer_energies,
     refine_as_configured,
+    trainable_parameters,
 )
 
 log = logging.getLogger(__name__)
@@ -445,6 +447,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     if energies:
         log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
     opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)  # the head too (CLS-OPT)
+    initial_energies = layer_energies(model.net)
     hidden_mhe = None
     if config.hidden_mhe_weight > 0:
         hidden_mhe = hidden_regulariser(
@@ -479,6 +482,12 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     rows[-1]["test_accuracy"] = final = evaluate(model, test_x, test_y)
     _write_log(run_dir / "log.csv", rows)
     summary = _summary(config, model, rows, final, train_seconds)
+    summary["layer_energy"] = {"initial": initial_energies, "final": layer_energies(model.net)}
+    summary["trainable_parameters"] = trainable_parameters(model.net)
+    if config.opt != "none":
+        from models.nets.opt import orthogonality_error
+
+        summary["orthogonality_error"] = orthogonality_error(model)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save({"config": asdict(config), "net": model.net.state_dict(), "head": model.head.state_dict()},
                run_dir / "model.pt")  # fmt: skip

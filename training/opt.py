@@ -167,3 +167,25 @@ def apply_classifier_opt_as_configured(head: nn.Module, method: str, options: di
     parsed = OPTOptions.parse(method, options)
     if parsed.classifier:
         apply_classifier_opt(head, OPTSpec.from_options(method, parsed.layer_options))
+
+
+def trainable_parameters(net: nn.Module) -> int:
+    """Numbers the training changes: parameters that need a gradient (``ogd``'s ``R`` included)."""
+    return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+def layer_energies(net: nn.Module) -> list[float]:
+    """Normalised hyperspherical energy (s = 2, float64) of every conv, linear and OPT layer, in order.
+
+    The quantity OPT keeps fixed and MHE / CoMHE lower (OPT Table 4, CoMHE Fig. 6.2).
+    """
+    from models.nets.opt import OPT_LAYERS
+    from training.losses import mhe_energy
+
+    energies = []
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear, *OPT_LAYERS)):
+                weight = module.weight.detach().double()
+                energies.append(float(mhe_energy(weight.reshape(weight.shape[0], -1), power=2)))
+    return energies
