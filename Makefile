@@ -20,7 +20,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
 .PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
-	prepare-celeba loss-table hyperspherical-table sphereface-celeba-model default-model-results clean
+	prepare-celeba loss-table hyperspherical-table opt-table sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -144,6 +144,14 @@ loss-table: prepare-celeba
 	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
+
+# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (finished runs are kept), then the tables and curve.
+OPT_CONFIGS := $(sort $(wildcard training/configs/opt/cifar/cnn6_*.toml))
+opt-table: install
+	printf '%s\n' $(OPT_CONFIGS) | xargs -P 2 -I{} sh -c \
+		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -f runs/opt/cifar/$$run/summary.json \
+		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
+	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --out docs/results
 
 # docs/hyperspherical.md: 30 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
 # two at a time) and two SphereFace-4 runs on the CelebA sets (SphereConv, and its convolutional

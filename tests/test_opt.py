@@ -502,3 +502,51 @@ def test_cifar_runs_with_s_opt_and_with_compressive_mhe_train_and_keep_what_they
     assert 0.0 < summary["test_accuracy"] < 1.0 and summary["config"]["hidden_mhe_projection"] == "random"
     energy = summary["layer_energy"]
     assert energy["final"] != pytest.approx(energy["initial"], rel=1e-4)  # plain layers: their energy moves
+
+
+def _fake_opt_run(root, name: str, accuracy: float, energy: float = 1.0) -> None:
+    import json
+
+    run = root / name
+    run.mkdir(parents=True)
+    summary = {
+        "name": name, "test_accuracy": accuracy, "seconds_per_step": 0.2, "final_train_loss": 1.0,
+        "trainable_parameters": 1000, "layer_energy": {"initial": [energy, energy], "final": [energy, 0.5]},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps({**summary, "config": {}}))
+    rows = [
+        "step,loss,accuracy,test_accuracy,lr,lambda,elapsed_s",
+        "10,2.0,0.2,,0.1,0,1",
+        "20,1.5,0.4,0.3,0.1,0,2",
+    ]
+    (run / "log.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
+    import json
+
+    from training.opt_table import main
+
+    runs = tmp_path / "runs"
+    for name, accuracy in [
+        ("cnn6_baseline", 0.60), ("cnn6_baseline_seed1", 0.62),  # errors 40 / 38
+        ("cnn6_gs", 0.66), ("cnn6_gs_seed1", 0.65),  # 34 / 35: beats the baseline by 4.5 > spread 2
+        ("cnn6_cp", 0.615), ("cnn6_cp_seed1", 0.605),  # 38.5 / 39.5: gain 0 within the spread
+        ("cnn6_upt", 0.50),  # one seed against a two-seed baseline: decided by the baseline's spread
+        ("cnn6_gs_learnable_v", 0.70),  # fixing v loses here: "does not hold"
+    ]:  # fmt: skip
+        _fake_opt_run(runs, name, accuracy)
+    assert main(["--runs", str(runs), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "opt.json").read_text())
+    verdicts = {c["claim"].split(" (")[0]: c.get("verdict", "not run") for c in report["claims"]}
+    assert verdicts["OPT-GS"] == "holds"
+    assert verdicts["OPT-CP beats plain training"] == "within seed noise"
+    assert verdicts["an unconstrained R is worse than plain training"] == "holds"
+    assert verdicts["fixing v beats learning it"] == "does not hold"
+    assert verdicts["RP-CoMHE beats HS-MHE"] == "not run"
+    gs = report["rows"]["gs"]
+    assert gs["error"] == pytest.approx(34.5) and gs["initial_energy"] == 2.0 and gs["final_energy"] == 1.5
+    text = (tmp_path / "out" / "opt.md").read_text()
+    assert (
+        "**34.50** (34.00 / 35.00)" in text and (tmp_path / "out" / "opt_curves.png").stat().st_size > 10000
+    )
