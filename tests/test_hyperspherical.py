@@ -618,3 +618,23 @@ def test_the_face_table_takes_missing_baselines_from_the_committed_loss_table(tm
         in faces_markdown(rows)
     )
     assert face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None) == []
+    # a run the trainer stopped (feature collapse) is shown from its last log row, without LFW
+    stopped = tmp_path / "runs" / "sf4_sphereconv_stalled"
+    stopped.mkdir(parents=True)
+    (stopped / "config.toml").write_text(
+        'name = "sf4_sphereconv_stalled"\nlr = 0.025\noperator = "sphereconv"\n'
+        'operator_options = { angular = "cosine" }\n'
+    )
+    header = "step,epoch,loss,accuracy,lambda,mhe,feature_norm,lr,images_per_s,lfw_accuracy,lfw_std,elapsed_s"
+    rows_csv = [
+        header,
+        "50,0,8.05,0.003,315.9,,0.72,0.025,10.0,,,31",
+        "100,0,8.04,0.032,100,,0.00723,0.025,12.0,,,60",
+    ]
+    (stopped / "log.csv").write_text("\n".join(rows_csv) + "\n")
+    rows = face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None)
+    assert [r["stopped_at"] for r in rows] == [100] and rows[0]["lfw_accuracy"] is None
+    assert (
+        "| sphereconv (angular = cosine), stopped at step 100 (loss 8.040: the features collapsed) "
+        "| 0.025 | 0 | – | – | 3.2 | 0.00723 | 11 |" in faces_markdown(rows)
+    )

@@ -179,7 +179,34 @@ def face_rows(face_root: Path, baseline_root: Path, loss_table: Path | None = No
     for run in sorted(face_root.glob("sf4_*")):
         if (run / "summary.json").exists():
             rows.append(_face_row_from_run(run))
+        elif (run / "log.csv").exists() and (run / "config.toml").exists():
+            rows.append(_face_row_from_stopped_run(run))
     return rows
+
+
+def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
+    """A run that stopped before its last step (the trainer's collapse check): its last log row, no LFW."""
+    from training.trainer import read_log
+
+    config = tomllib.loads((run / "config.toml").read_text())
+    cols = read_log(run / "log.csv")
+    return {
+        "run": str(run),
+        "name": config["name"],
+        "source": "run",
+        "stopped_at": int(cols["step"][-1]),
+        "lr": config["lr"],
+        "operator": config.get("operator", "conv"),
+        "operator_options": config.get("operator_options", {}),
+        "seed": config.get("seed", 0),
+        "lfw_accuracy": None,
+        "lfw_std": None,
+        "megaface_local_rank1": None,
+        "final_train_accuracy": float(cols["accuracy"][-1]),
+        "final_feature_norm": float(cols["feature_norm"][-1]),
+        "final_loss": float(cols["loss"][-1]),
+        "images_per_s": float(np.nanmean(cols["images_per_s"])),
+    }
 
 
 def _face_row_from_run(run: Path) -> dict[str, Any]:
@@ -238,6 +265,10 @@ def faces_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         options = ", ".join(f"{k} = {v}" for k, v in r["operator_options"].items())
         label = "ordinary convolutions" if r["operator"] == "conv" else f"{r['operator']} ({options})"
+        if r.get("stopped_at") is not None:
+            label += (
+                f", stopped at step {r['stopped_at']} (loss {r['final_loss']:.3f}: the features collapsed)"
+            )
         lfw = (
             "–" if r["lfw_accuracy"] is None else f"{100 * r['lfw_accuracy']:.2f} ± {100 * r['lfw_std']:.2f}"
         )
@@ -245,7 +276,7 @@ def faces_markdown(rows: list[dict[str, Any]]) -> str:
         speed = "–" if r["images_per_s"] is None else f"{r['images_per_s']:.0f}"
         lines.append(
             f"| {label} | {r['lr']:g} | {r['seed']} | {lfw} | {mf} | {100 * r['final_train_accuracy']:.1f} "
-            f"| {r['final_feature_norm']:.1f} | {speed} |"
+            f"| {r['final_feature_norm']:.3g} | {speed} |"
         )
     return "\n".join(lines)
 
