@@ -145,13 +145,24 @@ loss-table: prepare-celeba
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
 
-# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (finished runs are kept), then the tables and curve.
+# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (20 runs of CNN-6, 4 to 13 minutes each on one core)
+# and two SphereFace-4 face runs on the CelebA sets (OPT-CP and RP-CoMHE, 25 and 35 minutes), two at a
+# time, longest first; the face runs exported and evaluated on MegaFace local-v1; then the tables and
+# curves. About 90 minutes on two cores. Finished runs are kept.
 OPT_CONFIGS := $(sort $(wildcard training/configs/opt/cifar/cnn6_*.toml))
-opt-table: install
-	printf '%s\n' $(OPT_CONFIGS) | xargs -P 2 -I{} sh -c \
-		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -f runs/opt/cifar/$$run/summary.json \
+OPT_FACES := $(sort $(wildcard training/configs/opt/sf4_*.toml))
+opt-table: prepare-celeba
+	printf '%s\n' $(OPT_FACES) $(filter %_gs.toml %_gs_seed1.toml %_learnable_v.toml,$(OPT_CONFIGS)) \
+		$(filter-out %_gs.toml %_gs_seed1.toml %_learnable_v.toml,$(OPT_CONFIGS)) | xargs -P 2 -I{} sh -c \
+		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/opt -name summary.json -path "*/$$run/*" 2>/dev/null)" \
 		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
-	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --out docs/results
+	for config in $(OPT_FACES); do \
+		run=runs/opt/$$(basename $$config .toml); \
+		test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
+		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
+			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
+	done
+	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --faces runs/opt --out docs/results
 
 # docs/hyperspherical.md: 30 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
 # two at a time) and two SphereFace-4 runs on the CelebA sets (SphereConv, and its convolutional

@@ -638,3 +638,8 @@ def test_the_face_table_takes_missing_baselines_from_the_committed_loss_table(tm
         "| sphereconv (angular = cosine), stopped at step 100 (loss 8.040: the features collapsed) "
         "| 0.025 | 0 | – | – | 3.2 | 0.00723 | 11 |" in faces_markdown(rows)
     )
+    # a run still going (or killed) whose features did not collapse is "unfinished", not "collapsed"
+    (stopped / "log.csv").write_text("\n".join([header, rows_csv[1], rows_csv[2].replace("0.00723", "0.70")]))
+    rows = face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None)
+    assert rows[0]["collapsed"] is False
+    assert "| sphereconv (angular = cosine), unfinished at step 100 | 0.025 |" in faces_markdown(rows)

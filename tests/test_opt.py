@@ -536,7 +536,8 @@ def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
         ("cnn6_gs_learnable_v", 0.70),  # fixing v loses here: "does not hold"
     ]:  # fmt: skip
         _fake_opt_run(runs, name, accuracy)
-    assert main(["--runs", str(runs), "--out", str(tmp_path / "out")]) == 0
+    no_faces = ["--faces", str(tmp_path / "none"), "--loss-table", str(tmp_path / "none.json")]
+    assert main(["--runs", str(runs), *no_faces, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "opt.json").read_text())
     verdicts = {c["claim"].split(" (")[0]: c.get("verdict", "not run") for c in report["claims"]}
     assert verdicts["OPT-GS"] == "holds"
@@ -546,7 +547,77 @@ def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
     assert verdicts["RP-CoMHE beats HS-MHE"] == "not run"
     gs = report["rows"]["gs"]
     assert gs["error"] == pytest.approx(34.5) and gs["initial_energy"] == 2.0 and gs["final_energy"] == 1.5
+    assert verdicts["a higher initial energy ends at a higher error"] == "not run"
     text = (tmp_path / "out" / "opt.md").read_text()
     assert (
         "**34.50** (34.00 / 35.00)" in text and (tmp_path / "out" / "opt_curves.png").stat().st_size > 10000
     )
+    assert "## Faces" not in text  # no face run and no loss table: no face section
+
+
+def _fake_face_run(root, name: str, config: str, lfw: float) -> None:
+    import json
+
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(f'name = "{name}"\nlr = 0.025\nseed = 0\n{config}')
+    summary = {
+        "name": name,
+        "lfw": {"accuracy": lfw, "std": 0.02},
+        "final": {"accuracy": 0.9, "feature_norm": 20.0},
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    rows = ["step,epoch,loss,accuracy,lambda,mhe,feature_norm,lr,images_per_s,lfw_accuracy,lfw_std,elapsed_s"]
+    rows += [f"{step},0,{8 - step / 100},{step / 200},100,,20,0.025,90,,,{step}" for step in (50, 100)]
+    (run / "log.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_the_opt_table_decides_the_face_runs_against_the_plain_seeds_and_the_table_4_trend(tmp_path):
+    import json
+
+    from training.opt_table import main
+
+    runs = tmp_path / "runs"
+    for name, accuracy in [
+        ("cnn6_cp", 0.66), ("cnn6_cp_seed1", 0.65),  # errors 34 / 35
+        ("cnn6_cp_shift05", 0.55),  # error 45: 10.5 points worse, more than the spread of 1
+    ]:  # fmt: skip
+        _fake_opt_run(runs, name, accuracy)
+    loss_table = tmp_path / "loss_table.json"
+    plain = {"run": "sf4_asoftmax_m4", "seed": 0, "lfw_accuracy": 0.850, "lfw_std": 0.015,
+             "megaface_local_rank1": 0.144, "final_train_accuracy": 0.95,
+             "final_feature_norm": 24.3}  # fmt: skip
+    loss_table.write_text(
+        json.dumps([plain, {**plain, "run": "sf4_asoftmax_m4_seed1", "seed": 1, "lfw_accuracy": 0.848}])
+    )
+    faces = tmp_path / "faces"
+    _fake_face_run(faces, "sf4_opt_cp_asoftmax_m4", 'opt = "cp"\nopt_options = { block_size = 576 }\n', 0.870)
+    _fake_face_run(
+        faces,
+        "sf4_rp_comhe_asoftmax_m4",
+        'hidden_mhe_weight = 1.0\nhidden_mhe_projection = "random"\n',
+        0.849,
+    )
+    out = tmp_path / "out"
+    args = [
+        "--runs",
+        str(runs),
+        "--faces",
+        str(faces),
+        "--baselines",
+        str(tmp_path / "none"),
+        "--out",
+        str(out),
+    ]
+    assert main([*args, "--loss-table", str(loss_table)]) == 0
+    report = json.loads((out / "opt.json").read_text())
+    verdicts = {c["claim"].split(" (")[0]: c.get("verdict", "not run") for c in report["claims"]}
+    assert verdicts["a higher initial energy ends at a higher error"] == "holds"
+    opt_claim, comhe_claim = report["face_claims"]
+    assert opt_claim["verdict"] == "holds" and opt_claim["gain"] == pytest.approx(2.1)  # 87.0 against 84.9
+    assert comhe_claim["verdict"] == "within seed noise" and comhe_claim["spread"] == pytest.approx(0.2)
+    text = (out / "opt.md").read_text()
+    assert "| OPT-CP (block_size = 576) | 0.025 | 0 | 87.00 ± 2.00 |" in text
+    assert "| RP-CoMHE, weight 1 | 0.025 | 0 | 84.90 ± 2.00 |" in text
+    assert "| ordinary convolutions | 0.025 | 1 | 84.80 ± 1.50 | 14.40 |" in text
+    assert (out / "opt_faces.png").stat().st_size > 10000

@@ -184,8 +184,27 @@ def face_rows(face_root: Path, baseline_root: Path, loss_table: Path | None = No
     return rows
 
 
+def face_method_label(config: dict[str, Any]) -> str:
+    """What a face run changes against the plain network: its operator, OPT or compressive MHE."""
+
+    def options(table: dict[str, Any]) -> str:
+        return f" ({', '.join(f'{k} = {v}' for k, v in table.items())})" if table else ""
+
+    if config.get("opt", "none") != "none":
+        return f"OPT-{config['opt'].upper()}{options(config.get('opt_options', {}))}"
+    if config.get("hidden_mhe_projection", "none") != "none":
+        short = {"random": "RP", "angle": "AP", "group": "G"}[config["hidden_mhe_projection"]]
+        extra = options(config.get("hidden_mhe_options", {}))
+        return f"{short}-CoMHE, weight {config['hidden_mhe_weight']:g}{extra}"
+    operator = config.get("operator", "conv")
+    if operator == "conv":
+        return "ordinary convolutions"
+    return f"{operator}{options(config.get('operator_options', {}))}"
+
+
 def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
-    """A run that stopped before its last step (the trainer's collapse check): its last log row, no LFW."""
+    """A run without a summary: its last log row, no LFW. ``collapsed`` when its last feature norm is
+    under the trainer's collapse threshold (the run was stopped); otherwise it is unfinished."""
     from training.trainer import read_log
 
     config = tomllib.loads((run / "config.toml").read_text())
@@ -196,8 +215,8 @@ def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
         "source": "run",
         "stopped_at": int(cols["step"][-1]),
         "lr": config["lr"],
+        "method": face_method_label(config),
         "operator": config.get("operator", "conv"),
-        "operator_options": config.get("operator_options", {}),
         "seed": config.get("seed", 0),
         "lfw_accuracy": None,
         "lfw_std": None,
@@ -205,6 +224,9 @@ def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
         "final_train_accuracy": float(cols["accuracy"][-1]),
         "final_feature_norm": float(cols["feature_norm"][-1]),
         "final_loss": float(cols["loss"][-1]),
+        "collapsed": bool(
+            cols["feature_norm"][-1] < config.get("feature_norm_collapse", 0.02) * cols["feature_norm"][0]
+        ),
         "images_per_s": float(np.nanmean(cols["images_per_s"])),
     }
 
@@ -219,8 +241,8 @@ def _face_row_from_run(run: Path) -> dict[str, Any]:
         "name": summary["name"],
         "source": "run",
         "lr": config["lr"],
+        "method": face_method_label(config),
         "operator": summary.get("operator", "conv"),
-        "operator_options": summary.get("operator_options", {}),
         "seed": summary.get("seed", 0),
         "lfw_accuracy": lfw.get("accuracy"),
         "lfw_std": lfw.get("std"),
@@ -241,8 +263,8 @@ def _face_rows_from_loss_table(loss_table: Path, name: str) -> list[dict[str, An
             "name": row["run"],
             "source": str(loss_table),
             "lr": config["lr"],
+            "method": face_method_label(config),
             "operator": "conv",
-            "operator_options": {},
             "seed": row["seed"],
             "lfw_accuracy": row["lfw_accuracy"],
             "lfw_std": row["lfw_std"],
@@ -263,12 +285,13 @@ def faces_markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        options = ", ".join(f"{k} = {v}" for k, v in r["operator_options"].items())
-        label = "ordinary convolutions" if r["operator"] == "conv" else f"{r['operator']} ({options})"
-        if r.get("stopped_at") is not None:
+        label = r["method"]
+        if r.get("collapsed"):
             label += (
                 f", stopped at step {r['stopped_at']} (loss {r['final_loss']:.3f}: the features collapsed)"
             )
+        elif r.get("stopped_at") is not None:
+            label += f", unfinished at step {r['stopped_at']}"
         lfw = (
             "–" if r["lfw_accuracy"] is None else f"{100 * r['lfw_accuracy']:.2f} ± {100 * r['lfw_std']:.2f}"
         )
@@ -281,11 +304,11 @@ def faces_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
-    from training.trainer import (
-        plot_training_curves,  # noqa: F401  (same log format)
-        read_log,
-    )
+FACES_TITLE = "SphereFace-4 + A-Softmax (m = 4) on celeba_faces + celeba_small: operator against convolution"
+
+
+def plot_faces(rows: list[dict[str, Any]], out: Path, title: str = FACES_TITLE) -> Path | None:
+    from training.trainer import read_log
 
     if not rows:
         return None
@@ -299,7 +322,7 @@ def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
         if r.get("source", "run") != "run":
             continue
         cols = read_log(Path(r["run"]) / "log.csv")
-        label = f"{r['operator']}, lr {r['lr']:g}, seed {r['seed']}"
+        label = f"{r['method']}, lr {r['lr']:g}, seed {r['seed']}"
         axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
         axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
         axes[2].plot(cols["step"], cols["feature_norm"], lw=1.1, label=label)
@@ -311,9 +334,7 @@ def plot_faces(rows: list[dict[str, Any]], out: Path) -> Path | None:
         ax.grid(alpha=0.3)
     if axes[2].get_legend_handles_labels()[0]:
         axes[2].legend(fontsize=7)
-    fig.suptitle(
-        "SphereFace-4 + A-Softmax (m = 4) on celeba_faces + celeba_small: operator against convolution"
-    )
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out)
     return out
