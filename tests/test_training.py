@@ -37,6 +37,14 @@ def test_every_shipped_config_loads_and_validates():
     differences = {k for k, v in vars(sphereconv).items() if v != vars(baseline)[k]}
     # the face comparison differs from the loss table's A-Softmax row in the operator and its lr only
     assert differences == {"name", "out_dir", "operator", "operator_options", "orthogonality_weight", "lr"}
+    # the OPT and CoMHE face runs differ from it in the method only, at the same learning rate
+    for path, changed in [
+        ("opt/sf4_opt_cp_asoftmax_m4.toml", {"opt", "opt_options"}),
+        ("opt/sf4_rp_comhe_asoftmax_m4.toml", {"hidden_mhe_weight", "hidden_mhe_half_space",
+                                               "hidden_mhe_projection", "hidden_mhe_options"}),
+    ]:  # fmt: skip
+        config = load_config(CONFIGS / path)
+        assert {k for k, v in vars(config).items() if v != vars(baseline)[k]} == {"name", "out_dir", *changed}
 
 
 def test_operator_options_are_checked_when_the_config_loads():
