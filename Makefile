@@ -20,7 +20,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
 .PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-models bench-train bench-megaface-1m megaface-local \
-	prepare-celeba loss-table hyperspherical-table opt-table sphereface-celeba-model default-model-results clean
+	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -163,6 +163,11 @@ opt-table: prepare-celeba
 			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
 	done
 	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --faces runs/opt --out docs/results
+
+# What OPT and compressive MHE cost per CNN-6 training step against plain training (docs/opt.md §3,
+# CoMHE Table E.5): 13 variants interleaved, median of 5 rounds with the range (about 3 minutes).
+bench-opt: install
+	$(BIN)/python bench/opt.py --json docs/results/bench_opt.json
 
 # docs/hyperspherical.md: 30 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
 # two at a time) and two SphereFace-4 runs on the CelebA sets (SphereConv, and its convolutional

@@ -621,3 +621,23 @@ def test_the_opt_table_decides_the_face_runs_against_the_plain_seeds_and_the_tab
     assert "| RP-CoMHE, weight 1 | 0.025 | 0 | 84.90 ± 2.00 |" in text
     assert "| ordinary convolutions | 0.025 | 1 | 84.80 ± 1.50 | 14.40 |" in text
     assert (out / "opt_faces.png").stat().st_size > 10000
+
+
+def test_the_opt_benchmark_times_every_variant_against_the_baseline_of_its_round(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "opt.py"
+    spec = importlib.util.spec_from_file_location("bench_opt", path)
+    bench_opt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_opt)
+    out = tmp_path / "bench_opt.json"
+    assert bench_opt.main(["--rounds", "2", "--repeats", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == [label for label, _, _ in bench_opt.VARIANTS]
+    assert results["baseline"]["ratio_to_baseline"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    for s in results.values():
+        assert 0 < s["min_ms"] <= s["median_ms"] <= s["max_ms"]
+        r = s["ratio_to_baseline"]
+        assert 0 < r["min"] <= r["median"] <= r["max"]

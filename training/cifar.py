@@ -367,9 +367,11 @@ def read_cifar_log(path: str | Path) -> dict[str, np.ndarray]:
     return {k: np.array([float(r[k]) if r.get(k) else np.nan for r in rows]) for k in LOG_COLUMNS}
 
 
-def _optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
-                    x: torch.Tensor, y: torch.Tensor,
-                    opt: OPTTraining, hidden_mhe: Any = None) -> tuple[float, float, float]:  # fmt: skip
+def optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
+                   x: torch.Tensor, y: torch.Tensor,
+                   opt: OPTTraining, hidden_mhe: Any = None) -> tuple[float, float, float]:  # fmt: skip
+    """One training step: the head's loss plus the configured regularisers, backward, OPT's and the
+    optimiser's updates. Returns (head loss, batch accuracy, lambda)."""
     from models.nets.hyperspherical import orthogonality_penalty, project_weights_
 
     out = model.head(model.net(x), y, step=step)
@@ -422,6 +424,26 @@ def _make_optimiser(model: nn.Module, config: CifarConfig) -> torch.optim.Optimi
     return torch.optim.Adam(groups, lr=config.lr)
 
 
+def build_training(
+    config: CifarConfig,
+) -> tuple[CifarClassifier, torch.optim.Optimizer, OPTTraining, Any]:
+    """The model, its optimiser, OPT's training hooks and the hidden-layer MHE regulariser (or None)
+    of a run, from the global torch seed; the OPT refinement of v, if configured, is done here."""
+    model = build_cifar_model(config)
+    optimiser = _make_optimiser(model, config)
+    energies = refine_as_configured(model.net, config.opt, config.opt_options)
+    if energies:
+        log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
+    opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)  # the head too (CLS-OPT)
+    hidden_mhe = None
+    if config.hidden_mhe_weight > 0:
+        hidden_mhe = hidden_regulariser(
+            config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
+            config.hidden_mhe_options, seed=config.seed,
+        )  # fmt: skip
+    return model, optimiser, opt, hidden_mhe
+
+
 def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     """Train one run; writes ``log.csv``, ``summary.json`` and ``curves.png``; returns the summary."""
     from tqdm import tqdm
@@ -441,28 +463,15 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     )
     test_x, test_y = to_tensor(data["test_images"]), torch.from_numpy(data["test_labels"])
     sample = periodic_sample(len(test_y), config.eval_images)
-    model = build_cifar_model(config)
-    optimiser = _make_optimiser(model, config)
-    energies = refine_as_configured(model.net, config.opt, config.opt_options)
-    if energies:
-        log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
-    opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)  # the head too (CLS-OPT)
+    model, optimiser, opt, hidden_mhe = build_training(config)
     initial_energies = layer_energies(model.net)
-    hidden_mhe = None
-    if config.hidden_mhe_weight > 0:
-        hidden_mhe = hidden_regulariser(
-            config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
-            config.hidden_mhe_options, seed=config.seed,
-        )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
     rows: list[dict[str, Any]] = []
     interval: list[tuple[float, float]] = []
     started = time.perf_counter()
     bar = tqdm(range(config.steps), desc=config.name, disable=not progress, mininterval=2)
     for step in bar:
-        loss, accuracy, lam = _optimiser_step(
-            model, optimiser, config, step, *batches.next(), opt, hidden_mhe
-        )
+        loss, accuracy, lam = optimiser_step(model, optimiser, config, step, *batches.next(), opt, hidden_mhe)
         scheduler.step()
         if not np.isfinite(loss):
             raise FloatingPointError(f"{config.name}: the loss became {loss} at step {step + 1}; lower lr")
