@@ -326,10 +326,10 @@ def plot_faces(rows: list[dict[str, Any]], out: Path, title: str = FACES_TITLE) 
         axes[0].plot(cols["step"], cols["loss"], lw=1.1, label=label)
         axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
         axes[2].plot(cols["step"], cols["feature_norm"], lw=1.1, label=label)
-    for ax, title in zip(
+    for ax, panel in zip(
         axes, ("training loss", "training accuracy (%)", "mean feature norm ||x||"), strict=True
     ):
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if axes[2].get_legend_handles_labels()[0]:
