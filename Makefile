@@ -145,7 +145,7 @@ loss-table: prepare-celeba
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
 
-# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (20 runs of CNN-6, 4 to 13 minutes each on one core)
+# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (22 runs of CNN-6, 3 to 14 minutes each on one core)
 # and two SphereFace-4 face runs on the CelebA sets (OPT-CP and RP-CoMHE, 25 and 35 minutes), two at a
 # time, longest first; the face runs exported and evaluated on MegaFace local-v1; then the tables and
 # curves. About 90 minutes on two cores. Finished runs are kept.

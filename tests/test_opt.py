@@ -534,6 +534,7 @@ def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
         ("cnn6_cp", 0.615), ("cnn6_cp_seed1", 0.605),  # 38.5 / 39.5: gain 0 within the spread
         ("cnn6_upt", 0.50),  # one seed against a two-seed baseline: decided by the baseline's spread
         ("cnn6_gs_learnable_v", 0.70),  # fixing v loses here: "does not hold"
+        ("cnn6_baseline_lr002", 0.74), ("cnn6_baseline_lr002_seed1", 0.745),  # the control: 26 / 25.5
     ]:  # fmt: skip
         _fake_opt_run(runs, name, accuracy)
     no_faces = ["--faces", str(tmp_path / "none"), "--loss-table", str(tmp_path / "none.json")]
@@ -545,6 +546,9 @@ def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
     assert verdicts["an unconstrained R is worse than plain training"] == "holds"
     assert verdicts["fixing v beats learning it"] == "does not hold"
     assert verdicts["RP-CoMHE beats HS-MHE"] == "not run"
+    stable = "OPT-GS with v fixed beats plain training at lr 0.02, where it is stable"
+    assert verdicts[stable] == "does not hold"
+    assert verdicts["OPT-CP beats plain training at lr 0.02"] == "does not hold"  # 39 against 25.75
     gs = report["rows"]["gs"]
     assert gs["error"] == pytest.approx(34.5) and gs["initial_energy"] == 2.0 and gs["final_energy"] == 1.5
     assert verdicts["a higher initial energy ends at a higher error"] == "not run"

@@ -406,9 +406,8 @@ def markdown(
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="runs/hyperspherical", type=Path)
+def add_face_baseline_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--baselines`` and ``--loss-table``: where the plain face runs are (see :func:`face_rows`)."""
     parser.add_argument("--baselines", default="runs/celeba_more", type=Path, help="the loss table's runs")
     parser.add_argument(
         "--loss-table",
@@ -416,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="the loss table's committed results, for baselines whose runs are not here",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="runs/hyperspherical", type=Path)
+    add_face_baseline_arguments(parser)
     parser.add_argument("--out", default="docs/results", type=Path)
     args = parser.parse_args(argv)
     runs = load_cifar_runs(args.runs / "cifar")

@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from training.cifar import plot_cifar_curves
-from training.hyperspherical_table import face_rows, faces_markdown, load_cifar_runs, plot_faces, seeds_of
+from training.hyperspherical_table import (
+    add_face_baseline_arguments,
+    face_rows,
+    faces_markdown,
+    load_cifar_runs,
+    plot_faces,
+    seeds_of,
+)
 
 TABLE1 = (
     ("baseline", "baseline (plain training)"),
@@ -63,7 +70,7 @@ CLAIMS = (
     ("rp_comhe", "hs_mhe", "RP-CoMHE beats HS-MHE (Table 6.1)"),
     ("hs_mhe", "mhe", "HS-MHE beats MHE (Table 6.1)"),
     ("cp", "cp_shift05", "a higher initial energy ends at a higher error (Table 4)"),
-    ("gs", "baseline_lr002", "OPT-GS (v fixed) beats plain training at lr 0.02, where it is stable"),
+    ("gs", "baseline_lr002", "OPT-GS with v fixed beats plain training at lr 0.02, where it is stable"),
     ("cp", "baseline_lr002", "OPT-CP beats plain training at lr 0.02"),
     ("baseline_lr002", "upt", "an unconstrained R is worse than plain training at lr 0.02"),
     ("sopt_cp", "baseline_lr002", "S-OPT beats plain training at lr 0.02"),
@@ -257,13 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/opt/cifar", type=Path)
     parser.add_argument("--faces", default="runs/opt", type=Path, help="the face runs (sf4_*)")
-    parser.add_argument("--baselines", default="runs/celeba_more", type=Path, help="the loss table's runs")
-    parser.add_argument(
-        "--loss-table",
-        default="docs/results/loss_table.json",
-        type=Path,
-        help="the loss table's committed results, for plain face runs that are not here",
-    )
+    add_face_baseline_arguments(parser)
     parser.add_argument("--out", default="docs/results", type=Path)
     args = parser.parse_args(argv)
     runs = load_cifar_runs(args.runs)
