@@ -129,18 +129,24 @@ $(CELEBA_SMALL)/manifest.json: | install
 
 prepare-celeba: $(CELEBA)/manifest.json $(CELEBA_SMALL)/manifest.json
 
+# Every face run of the configs $(1) under the folder $(2) exported into RUN/model and evaluated on
+# MegaFace local-v1 into RUN/megaface_local.json (either kept when it is already there).
+define export_and_megaface
+for config in $(1); do \
+	run=$(2)/$$(basename $$config .toml); \
+	test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
+	test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
+		--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
+done
+endef
+
 # The loss comparison of docs/training.md §6: 8 SphereFace-4 runs of 2,000 steps on celeba_faces +
 # celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), each
 # exported and evaluated on MegaFace local-v1 (about 3 minutes each), then the table.
 loss-table: prepare-celeba
 	printf '%s\n' $(LOSS_CONFIGS) | xargs -P 2 -I{} sh -c \
 		'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress'
-	for config in $(LOSS_CONFIGS); do \
-		run=runs/celeba_more/$$(basename $$config .toml); \
-		test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
-		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
-			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
-	done
+	$(call export_and_megaface,$(LOSS_CONFIGS),runs/celeba_more)
 	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
@@ -156,12 +162,7 @@ opt-table: prepare-celeba
 		$(filter-out %_gs.toml %_gs_seed1.toml %_learnable_v.toml,$(OPT_CONFIGS)) | xargs -P 2 -I{} sh -c \
 		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/opt -name summary.json -path "*/$$run/*" 2>/dev/null)" \
 		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
-	for config in $(OPT_FACES); do \
-		run=runs/opt/$$(basename $$config .toml); \
-		test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
-		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
-			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
-	done
+	$(call export_and_megaface,$(OPT_FACES),runs/opt)
 	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --faces runs/opt --out docs/results
 
 # What OPT and compressive MHE cost per CNN-6 training step against plain training (docs/opt.md §3,
@@ -178,12 +179,7 @@ hyperspherical-table: prepare-celeba
 	printf '%s\n' $(HS_CONFIGS) $(HS_FACES) | xargs -P 2 -I{} sh -c \
 		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/hyperspherical -name summary.json -path "*/$$run/*")" \
 		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
-	for config in $(HS_FACES); do \
-		run=runs/hyperspherical/$$(basename $$config .toml); \
-		test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
-		test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
-			--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
-	done
+	$(call export_and_megaface,$(HS_FACES),runs/hyperspherical)
 	$(BIN)/python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results
 
 # Re-train the project's own SphereFace model (about 75 minutes on one core) into models/sphereface_celeba.

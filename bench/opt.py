@@ -79,7 +79,7 @@ def _summary(per_round: np.ndarray, base: np.ndarray) -> dict[str, Any]:
             "median": float(np.median(ratio)),
             "min": float(ratio.min()),
             "max": float(ratio.max()),
-        },  # fmt: skip
+        },
     }
 
 
