@@ -59,15 +59,19 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from bench import face_path as fp  # noqa: E402
+from bench import gallery_data  # noqa: E402
 from models.align import align_faces, get_template  # noqa: E402
 
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (10_000,)
 DIM = 512
 TOP_K = 5
-RANDOM_QUERIES = 50
-NOISY_QUERIES = 50
-NOISE = 0.6  # noisy query = unit(stored + NOISE * random unit): cosine about 0.86 to its source
+RANDOM_QUERIES = gallery_data.RANDOM_QUERIES
+NOISY_QUERIES = gallery_data.NOISY_QUERIES
+NOISE = gallery_data.NOISE
+synthetic_gallery = gallery_data.synthetic_gallery
+make_queries = gallery_data.make_queries
+exact_top_subjects = gallery_data.exact_top_subjects
 LOAD_BATCH = 1000
 SEARCH_MODEL_ID = "bench-synthetic-512"
 GOAL_VERIFY_SPEEDUP = 2.0
@@ -641,57 +645,6 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------------------------
 # (2) search
-
-
-def synthetic_gallery(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``n`` seeded random unit vectors; subjects of 1 to 5 consecutive faces.
-
-    Returns vectors ``(n, dim)`` float32, subject code per face ``(n,)``, first row per subject.
-    """
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(1, 6, size=n)
-    ends = np.cumsum(counts)
-    m = int(np.searchsorted(ends, n) + 1)
-    starts = np.concatenate([[0], ends[: m - 1]]).astype(np.int64)
-    codes = np.repeat(np.arange(m, dtype=np.int32), np.diff(np.append(starts, n)))
-    vectors = np.empty((n, dim), dtype=np.float32)
-    step = 1 << 17
-    for s in range(0, n, step):
-        block = rng.standard_normal((min(n, s + step) - s, dim), dtype=np.float32)
-        block /= np.linalg.norm(block, axis=1, keepdims=True)
-        vectors[s : s + len(block)] = block
-    return vectors, codes, starts
-
-
-def make_queries(vectors: np.ndarray, codes: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """50 random unit queries, then 50 noisy copies of stored vectors; planted subject (-1: none)."""
-    rng = np.random.default_rng(seed + 1)
-
-    def unit(x: np.ndarray) -> np.ndarray:
-        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-    rand = unit(rng.standard_normal((RANDOM_QUERIES, vectors.shape[1])))
-    rows = rng.choice(len(vectors), NOISY_QUERIES, replace=False)
-    noisy = unit(vectors[rows] + NOISE * unit(rng.standard_normal((NOISY_QUERIES, vectors.shape[1]))))
-    planted = np.concatenate([np.full(RANDOM_QUERIES, -1), codes[rows]])
-    return np.ascontiguousarray(np.concatenate([rand, noisy])), planted
-
-
-def exact_top_subjects(
-    vectors: np.ndarray, starts: np.ndarray, queries: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Brute force: per query the k best subjects (max over their faces) and their scores."""
-    n = len(vectors)
-    scores = np.empty((n, len(queries)), dtype=np.float32)
-    step = 1 << 17
-    for s in range(0, n, step):
-        scores[s : s + step] = vectors[s : s + step] @ queries.T
-    per_subject = np.maximum.reduceat(scores, starts, axis=0)  # (subjects, queries)
-    del scores
-    top = np.argpartition(-per_subject, k - 1, axis=0)[:k].T  # (queries, k)
-    top_scores = np.take_along_axis(per_subject.T, top, axis=1)
-    order = np.argsort(-top_scores, axis=1, kind="stable")
-    return np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
 
 
 def subject_name(code: int) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.gallery.int8_scan import Int8Scan
 from service.gallery.store import GalleryStore, _redis_errors
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,32 @@ class SubjectHit:
     face_id: str  # that face
 
 
-class VectorIndex:
-    """Unit vectors with face and subject ids; exact top-k subjects by max cosine."""
+#: From this many faces on, :meth:`VectorIndex.search` scans an int8 copy of the vectors and
+#: re-ranks exactly (service/gallery/int8_scan.py), for vectors of at most INT8_SCAN_MAX_DIM
+#: numbers. Measured by bench/gallery_scan.py (docs/service.md, "Search at 10M faces"): at 128
+#: numbers int8 is 2.0x faster than float32 at 1M faces and 2.9x at 10M; at 512 numbers ONNX
+#: Runtime's one-column integer product is compute-bound and float32 is faster (0.86x).
+INT8_SCAN_MIN_FACES = 1_000_000
+INT8_SCAN_MAX_DIM = 256
 
-    def __init__(self, dim: int, *, initial_capacity: int = 1024) -> None:
+
+class VectorIndex:
+    """Unit vectors with face and subject ids; exact top-k subjects by max cosine.
+
+    From ``int8_scan_min_faces`` faces on (and for at most :data:`INT8_SCAN_MAX_DIM` numbers per
+    vector, unless ``int8_allowed`` is set), search scans an int8 copy of the vectors (built on
+    the first such search, then kept current; a quarter of the float matrix's memory) and
+    re-scores in float32 only the faces its error bound cannot rule out: the same top-k as brute
+    force.
+    """
+
+    def __init__(
+        self, dim: int, *, initial_capacity: int = 1024, int8_scan_min_faces: int | None = INT8_SCAN_MIN_FACES
+    ) -> None:
         self.dim = dim
+        self.int8_scan_min_faces = int8_scan_min_faces
+        self.int8_allowed = dim <= INT8_SCAN_MAX_DIM
+        self._int8: Int8Scan | None = None
         self._matrix = np.zeros((initial_capacity, dim), dtype=np.float32)
         self._face_ids: list[str] = []
         self._subject_codes = np.zeros(initial_capacity, dtype=np.int32)
@@ -49,7 +71,8 @@ class VectorIndex:
 
     @property
     def nbytes(self) -> int:
-        return self._matrix.nbytes + self._subject_codes.nbytes
+        extra = self._int8.nbytes if self._int8 is not None else 0
+        return self._matrix.nbytes + self._subject_codes.nbytes + extra
 
     def _reserve(self, size: int) -> None:
         capacity = self._matrix.shape[0]
@@ -61,6 +84,8 @@ class VectorIndex:
         codes = np.zeros(capacity, dtype=np.int32)
         codes[: len(self)] = self._subject_codes[: len(self)]
         self._matrix, self._subject_codes = matrix, codes
+        if self._int8 is not None:
+            self._int8.reserve(capacity, len(self))
 
     def _code(self, subject_id: str) -> int:
         code = self._subject_code.get(subject_id)
@@ -75,13 +100,17 @@ class VectorIndex:
         if not len(face_ids) == len(subject_ids) == len(vectors):
             raise ValueError("face_ids, subject_ids and vectors must have the same length")
         self._reserve(len(self) + len(face_ids))
-        for face_id, subject_id, vector in zip(face_ids, subject_ids, vectors, strict=True):
+        rows = np.empty(len(face_ids), dtype=np.int64)
+        for i, (face_id, subject_id, vector) in enumerate(zip(face_ids, subject_ids, vectors, strict=True)):
             row = self._row.get(face_id)
             if row is None:
                 row = self._row[face_id] = len(self._face_ids)
                 self._face_ids.append(face_id)
             self._matrix[row] = vector
             self._subject_codes[row] = self._code(subject_id)
+            rows[i] = row
+        if self._int8 is not None and len(rows):
+            self._int8.set_rows(rows, self._matrix[rows])
 
     def remove(self, face_ids: Iterable[str]) -> None:
         """Remove faces (unknown ids are ignored): the last row moves into the gap."""
@@ -94,23 +123,37 @@ class VectorIndex:
                 moved = self._face_ids[last]
                 self._matrix[row] = self._matrix[last]
                 self._subject_codes[row] = self._subject_codes[last]
+                if self._int8 is not None:
+                    self._int8.move_row(last, row)
                 self._face_ids[row] = moved
                 self._row[moved] = row
             self._face_ids.pop()
 
     def clear(self) -> None:
-        self.__init__(self.dim)
+        self.__init__(self.dim, int8_scan_min_faces=self.int8_scan_min_faces)
 
     def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
-        """Top-k subjects per query, best first (exact: every stored vector is scored)."""
+        """Top-k subjects per query, best first (exact: the brute-force top-k, see the class)."""
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
         n = len(self)
         if n == 0 or k < 1:
             return [[] for _ in queries]
+        if self.int8_scan_min_faces is not None and n >= self.int8_scan_min_faces and self.int8_allowed:
+            return [self._search_int8(query, k) for query in queries]
         scores = queries @ self._matrix[:n].T  # one pass over the matrix for all queries
         return [self._top_subjects(row, k) for row in scores]
 
-    def _top_subjects(self, scores: np.ndarray, k: int) -> list[SubjectHit]:
+    def _search_int8(self, query: np.ndarray, k: int) -> list[SubjectHit]:
+        n = len(self)
+        if self._int8 is None:
+            self._int8 = Int8Scan(self.dim, capacity=self._matrix.shape[0])
+            self._int8.set_rows(np.arange(n), self._matrix[:n])
+        rows = self._int8.candidates(query, n, self._subject_codes[:n], k)
+        rows.sort()  # read the float rows in memory order
+        return self._top_subjects(self._matrix[rows] @ query, k, rows)
+
+    def _top_subjects(self, scores: np.ndarray, k: int, rows: np.ndarray | None = None) -> list[SubjectHit]:
+        """The k best subjects given ``scores`` of all rows, or of the rows ``rows`` only."""
         # With max aggregation the k best subjects are the first k distinct subjects in the
         # faces' score order, so it is enough to sort a candidate set that holds k of them.
         n = scores.shape[0]
@@ -120,12 +163,13 @@ class VectorIndex:
             top = top[np.argsort(-scores[top], kind="stable")]
             hits: list[SubjectHit] = []
             seen: set[int] = set()
-            for row in top:
+            for i in top:
+                row = int(rows[i]) if rows is not None else int(i)
                 code = int(self._subject_codes[row])
                 if code in seen:
                     continue
                 seen.add(code)
-                hits.append(SubjectHit(self._subject_names[code], float(scores[row]), self._face_ids[row]))
+                hits.append(SubjectHit(self._subject_names[code], float(scores[i]), self._face_ids[row]))
                 if len(hits) == k:
                     return hits
             if take >= n:
