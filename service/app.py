@@ -121,7 +121,7 @@ def make_search(settings: Settings, store: GalleryStore, model_id: str, dim: int
         search = RedisKnnSearch(store.redis, model_id=model_id, dim=dim, prefix=settings.redis_prefix)
         search.ensure_index()
         return search
-    return LiveIndex(store, model_id, dim)
+    return LiveIndex(store, model_id, dim, snapshots=settings.gallery_snapshot_dir)
 
 
 def create_app(settings: Settings | None = None, pipeline: FacePipeline | None = None) -> FastAPI:

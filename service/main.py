@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from service.gallery.snapshot import default_root as default_snapshot_root
+from service.gallery.snapshot import remove_root as remove_snapshot_root
 from service.logs import uvicorn_log_config
 from service.settings import Settings
 
@@ -120,21 +122,31 @@ def serve(
             )
             return 0
         # Several workers: each builds its app from the environment (service.main:app_from_env).
+        # They share the gallery's vectors through snapshots in /dev/shm (removed at exit).
+        own_snapshots = None
+        if settings.gallery_snapshots is None and settings.search == "numpy":
+            own_snapshots = default_snapshot_root(settings.workers)
+            if own_snapshots is not None:
+                overrides["gallery_snapshots"] = str(own_snapshots)
         for key, value in {**overrides, "redis_url": url}.items():
             os.environ[f"SPHEREFACE_{key.upper()}"] = str(value)
         metrics_dir = Path(settings.data_dir).expanduser().absolute() / "metrics"
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(parents=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        uvicorn.run(
-            "service.main:app_from_env",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_level="info",
-            log_config=uvicorn_log_config(),
-        )
+        try:
+            uvicorn.run(
+                "service.main:app_from_env",
+                factory=True,
+                host=settings.host,
+                port=settings.port,
+                workers=settings.workers,
+                log_level="info",
+                log_config=uvicorn_log_config(),
+            )
+        finally:
+            if own_snapshots is not None:
+                remove_snapshot_root(own_snapshots)
     return 0
 
 

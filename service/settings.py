@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     search: Literal["numpy", "redis"] = Field(
         "numpy", description="identification search: in-process numpy (exact) or Redis Query Engine KNN"
     )
+    gallery_snapshots: str | None = Field(
+        None,
+        description="folder (best in /dev/shm) where the workers of one machine share the gallery's "
+        "vectors as memory-mapped snapshots: one copy per machine instead of one per worker "
+        "(numpy search only). Unset: `sphereface serve --workers N` (N > 1) picks one by itself; "
+        "`off`: every worker keeps its own copy",
+    )
     identify_top_k: int = Field(5, ge=1, le=100)
     store_face_images: bool = Field(
         True,
@@ -106,6 +113,12 @@ class Settings(BaseSettings):
         """``SPHEREFACE_API_KEY=`` (empty, as compose passes an unset variable) means no key, so the
         first start creates one instead of accepting an empty key."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def gallery_snapshot_dir(self) -> Path | None:
+        """The snapshot folder of the numpy search, or None (each worker its own copy)."""
+        value = (self.gallery_snapshots or "").strip()
+        return None if value in ("", "off") else Path(value).expanduser()
 
     @property
     def model_dir(self) -> Path:

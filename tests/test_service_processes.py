@@ -139,3 +139,52 @@ def test_a_key_in_the_address_is_not_written_to_the_log(default_model_dir, workd
     log = service.log.read_text()
     assert "/v1/subjects?api_key=***&limit=5" in log and "/healthz?token=***" in log
     assert secret not in log and "hunter2" not in log
+
+
+def worker_processes(parent: int) -> list[int]:
+    """The Python processes whose parent is ``parent`` (not redis-server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"python" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_workers_share_one_mapped_gallery_and_serve_removes_it(
+    default_model_dir, photos_dir, redis_binary, workdir
+):
+    """`sphereface serve --workers 2`: one snapshot of the vectors in /dev/shm that both workers
+    map (not a copy each), and it is gone when the service stops."""
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm: the workers keep their own copies")
+    people = photos_dir / "people"
+    redis = LocalRedis(workdir / "redis", binary=redis_binary).start()
+    try:
+        one = Service(default_model_dir, workdir / "one", redis.url)
+        try:
+            enroll(one, "obama", people / "obama" / "1.jpg")
+            enroll(one, "biden", people / "biden" / "1.jpg")
+        finally:
+            one.stop()
+        two = Service(default_model_dir, workdir / "two", redis.url, extra_env={"SPHEREFACE_WORKERS": "2"})
+        root = Path(f"/dev/shm/sphereface-gallery-{two.process.pid}")
+        try:
+            vectors = sorted(root.rglob("rev-*.vectors.npy"))
+            assert len(vectors) == 1, vectors  # written once, by the worker that loaded Redis first
+            children = worker_processes(two.process.pid)  # the workers and multiprocessing's helper
+            mapping = [pid for pid in children if str(vectors[0]) in Path(f"/proc/{pid}/maps").read_text()]
+            assert len(mapping) == 2, (children, mapping)
+            for _ in range(4):
+                assert best(two, people / "biden" / "2.jpg") == "biden"
+        finally:
+            two.stop()
+        assert not root.exists()
+    finally:
+        redis.stop()

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from service.gallery.int8_scan import Int8Scan
+from service.gallery.snapshot import CHECK_SECONDS, COMPACT_FACES, Snapshot, SnapshotFolder, SnapshotMeta
 from service.gallery.store import GalleryStore, _redis_errors
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class VectorIndex:
         self.dim = dim
         self.int8_scan_min_faces = int8_scan_min_faces
         self.int8_allowed = dim <= INT8_SCAN_MAX_DIM
+        self.read_only = False  # True over a snapshot (over_snapshot): search only
         self._int8: Int8Scan | None = None
         self._matrix = np.zeros((initial_capacity, dim), dtype=np.float32)
         self._face_ids: list[str] = []
@@ -132,28 +135,65 @@ class VectorIndex:
     def clear(self) -> None:
         self.__init__(self.dim, int8_scan_min_faces=self.int8_scan_min_faces)
 
-    def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
-        """Top-k subjects per query, best first (exact: the brute-force top-k, see the class)."""
+    @classmethod
+    def over_snapshot(cls, snapshot: Snapshot) -> VectorIndex:
+        """A read-only index over a mapped snapshot: search it (with rows excluded), never change it."""
+        meta = snapshot.meta
+        index = cls(meta.dim, initial_capacity=0)
+        index._matrix = snapshot.vectors
+        index._face_ids = snapshot.face_ids
+        index._row = {face_id: row for row, face_id in enumerate(snapshot.face_ids)}
+        index._subject_codes = np.fromiter(
+            (index._code(s) for s in snapshot.subject_ids), dtype=np.int32, count=meta.faces
+        )
+        if snapshot.codes is not None:
+            index._int8 = Int8Scan.over(snapshot.codes, meta.max_residual, meta.max_norm)
+        index.read_only = True
+        return index
+
+    def entries(self) -> Iterator[tuple[str, str, np.ndarray]]:
+        """(face id, subject id, vector) of every face."""
+        for row, face_id in enumerate(self._face_ids):
+            yield face_id, self._subject_names[int(self._subject_codes[row])], self._matrix[row]
+
+    def chunks(self, size: int = 65_536) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
+        """The faces in chunks of (face ids, subject ids, vectors), for a snapshot."""
+        names = self._subject_names
+        for a in range(0, len(self), size):
+            b = min(len(self), a + size)
+            yield self._face_ids[a:b], [names[c] for c in self._subject_codes[a:b]], self._matrix[a:b]
+
+    def search(
+        self, queries: np.ndarray, k: int, excluded: np.ndarray | None = None
+    ) -> list[list[SubjectHit]]:
+        """Top-k subjects per query, best first (exact: the brute-force top-k, see the class);
+        ``excluded``: rows to leave out (the masked faces of a snapshot)."""
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
-        n = len(self)
+        n = len(self._face_ids)
         if n == 0 or k < 1:
             return [[] for _ in queries]
-        if self.int8_scan_min_faces is not None and n >= self.int8_scan_min_faces and self.int8_allowed:
-            return [self._search_int8(query, k) for query in queries]
+        if excluded is not None and not len(excluded):
+            excluded = None
+        limit = self.int8_scan_min_faces
+        if limit is not None and n >= limit and self.int8_allowed:
+            return [self._search_int8(query, k, excluded) for query in queries]
         scores = queries @ self._matrix[:n].T  # one pass over the matrix for all queries
+        if excluded is not None:
+            scores[:, excluded] = -np.inf
         return [self._top_subjects(row, k) for row in scores]
 
-    def _search_int8(self, query: np.ndarray, k: int) -> list[SubjectHit]:
-        n = len(self)
+    def _search_int8(self, query: np.ndarray, k: int, excluded: np.ndarray | None) -> list[SubjectHit]:
+        n = len(self._face_ids)
         if self._int8 is None:
             self._int8 = Int8Scan(self.dim, capacity=self._matrix.shape[0])
             self._int8.set_rows(np.arange(n), self._matrix[:n])
-        rows = self._int8.candidates(query, n, self._subject_codes[:n], k)
+        rows = self._int8.candidates(query, n, self._subject_codes[:n], k, excluded=excluded)
         rows.sort()  # read the float rows in memory order
         return self._top_subjects(self._matrix[rows] @ query, k, rows)
 
     def _top_subjects(self, scores: np.ndarray, k: int, rows: np.ndarray | None = None) -> list[SubjectHit]:
-        """The k best subjects given ``scores`` of all rows, or of the rows ``rows`` only."""
+        """The k best subjects given ``scores`` of all rows, or of the rows ``rows`` only (rows
+        scored ``-inf`` are excluded ones)."""
         # With max aggregation the k best subjects are the first k distinct subjects in the
         # faces' score order, so it is enough to sort a candidate set that holds k of them.
         n = scores.shape[0]
@@ -164,6 +204,8 @@ class VectorIndex:
             hits: list[SubjectHit] = []
             seen: set[int] = set()
             for i in top:
+                if scores[i] == -np.inf:
+                    return hits
                 row = int(rows[i]) if rows is not None else int(i)
                 code = int(self._subject_codes[row])
                 if code in seen:
@@ -177,18 +219,129 @@ class VectorIndex:
             take = min(n, take * 4)
 
 
-class LiveIndex:
-    """A :class:`VectorIndex` of one model's faces, kept equal to the gallery in Redis."""
+def merge_hits(parts: list[list[SubjectHit]], k: int) -> list[SubjectHit]:
+    """The k best subjects of several top-k lists (a subject keeps its best face). Exact: a
+    subject's best face is in one part, and there it is among that part's k best subjects."""
+    best: dict[str, SubjectHit] = {}
+    for hits in parts:
+        for hit in hits:
+            if hit.subject_id not in best or hit.score > best[hit.subject_id].score:
+                best[hit.subject_id] = hit
+    return sorted(best.values(), key=lambda h: -h.score)[:k]
 
-    def __init__(self, store: GalleryStore, model_id: str, dim: int, *, batch: int = 2000) -> None:
+
+class LayeredIndex:
+    """A snapshot shared by the workers (read-only, mapped) and this worker's changes since.
+
+    Faces added since the snapshot are rows of a small private :class:`VectorIndex` (the delta);
+    faces removed or replaced since are masked in the snapshot. Search answers from both and
+    merges (:func:`merge_hits`): the same top-k as one index of the live faces.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.meta = snapshot.meta
+        self.dim = snapshot.meta.dim
+        self.base = VectorIndex.over_snapshot(snapshot)
+        self.delta = VectorIndex(self.dim, int8_scan_min_faces=None)
+        self._masked = np.zeros(snapshot.meta.faces, dtype=bool)
+        self._masked_rows: np.ndarray | None = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.base._face_ids) - int(self.masked) + len(self.delta)
+
+    def __contains__(self, face_id: str) -> bool:
+        row = self.base._row.get(face_id)
+        return (row is not None and not self._masked[row]) or face_id in self.delta
+
+    @property
+    def masked(self) -> int:
+        return int(len(self._excluded()))
+
+    @property
+    def changes(self) -> int:
+        """Faces that differ from the snapshot (masked there, or in the delta)."""
+        return self.masked + len(self.delta)
+
+    @property
+    def nbytes(self) -> int:
+        """This worker's own bytes (the snapshot's are shared)."""
+        return self.delta.nbytes + self._masked.nbytes + self.base._subject_codes.nbytes
+
+    def _mask(self, face_ids: Sequence[str]) -> None:
+        for face_id in face_ids:
+            row = self.base._row.get(face_id)
+            if row is not None and not self._masked[row]:
+                self._masked[row] = True
+                self._masked_rows = None
+
+    def _excluded(self) -> np.ndarray:
+        if self._masked_rows is None:
+            self._masked_rows = np.flatnonzero(self._masked)
+        return self._masked_rows
+
+    def add(self, face_ids: Sequence[str], subject_ids: Sequence[str], vectors: np.ndarray) -> None:
+        self._mask(face_ids)  # a replaced face's snapshot row
+        self.delta.add(face_ids, subject_ids, vectors)
+
+    def remove(self, face_ids: Iterable[str]) -> None:
+        face_ids = list(face_ids)
+        self._mask(face_ids)
+        self.delta.remove(face_ids)
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
+        base = self.base.search(queries, k, excluded=self._excluded())
+        if not len(self.delta):
+            return base
+        delta = self.delta.search(queries, k)
+        return [merge_hits([a, b], k) for a, b in zip(base, delta, strict=True)]
+
+    def entries(self) -> Iterator[tuple[str, str, np.ndarray]]:
+        for row, entry in enumerate(self.base.entries()):
+            if not self._masked[row]:
+                yield entry
+        yield from self.delta.entries()
+
+    def chunks(self, size: int = 65_536) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
+        """The live faces in chunks of (face ids, subject ids, vectors), for a new snapshot."""
+        for a, (face_ids, subject_ids, vectors) in zip(
+            range(0, len(self.base._face_ids), size), self.base.chunks(size), strict=True
+        ):
+            keep = ~self._masked[a : a + len(face_ids)]
+            rows = np.flatnonzero(keep)
+            yield [face_ids[r] for r in rows], [subject_ids[r] for r in rows], vectors[keep]
+        yield from self.delta.chunks(size)
+
+
+class LiveIndex:
+    """A :class:`VectorIndex` of one model's faces, kept equal to the gallery in Redis.
+
+    With ``snapshots`` (a folder, see service/gallery/snapshot.py), the faces live in a snapshot
+    file that every worker of the machine maps read-only, plus this worker's changes since
+    (:class:`LayeredIndex`): one copy of the vectors per machine instead of one per worker.
+    """
+
+    def __init__(
+        self,
+        store: GalleryStore,
+        model_id: str,
+        dim: int,
+        *,
+        batch: int = 2000,
+        snapshots: Path | None = None,
+    ) -> None:
         self.store = store
         self.model_id = model_id
-        self.index = VectorIndex(dim)
+        self.dim = dim
+        self.index: VectorIndex | LayeredIndex = VectorIndex(dim)
         self.revision = -1  # nothing loaded yet
         self.epoch: bytes | None = None
         self.last_entry = "0-0"
-        self.full_reloads = 0
+        self.full_reloads = 0  # loads of every face from Redis
+        self.snapshot_root = Path(snapshots) if snapshots else None
+        self.snapshot_loads = 0  # snapshots mapped (written by this worker or another)
+        self.snapshots_written = 0
         self.batch = batch
+        self._next_snapshot_check = 0.0
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -199,6 +352,7 @@ class LiveIndex:
         with self._lock, _redis_errors():
             current, epoch = self.store.revision_and_epoch()
             if epoch == self.epoch and current == self.revision:
+                self._follow_snapshots()
                 return current
             # Reload when nothing is loaded yet; when the gallery in Redis is another one (a new
             # epoch: flushed, or restored from a backup); when the revision went back; on a gap in
@@ -210,9 +364,95 @@ class LiveIndex:
                 or not self._apply_changes()
                 or self.revision < current
             ):
-                self._reload(epoch)
-                self._apply_changes()
+                self._reload(epoch, current)
+            self._follow_snapshots()
             return self.revision
+
+    # -- snapshots shared by the workers ---------------------------------------------------------
+
+    def _folder(self, epoch: bytes | None) -> SnapshotFolder | None:
+        if self.snapshot_root is None or epoch is None:
+            return None
+        return SnapshotFolder(self.snapshot_root, self.model_id, epoch.decode())
+
+    def _map_snapshot(self, folder: SnapshotFolder, meta: SnapshotMeta, current: int) -> bool:
+        """Switch to a snapshot and the stream after it; False (nothing changed) when it is gone
+        or the stream no longer reaches back to it."""
+        snapshot = folder.open(meta)
+        if snapshot is None or snapshot.meta.dim != self.dim:
+            return False
+        state = self.index, self.revision, self.last_entry, self.epoch
+        self.index, self.revision, self.last_entry = LayeredIndex(snapshot), meta.revision, meta.last_entry
+        self.epoch = meta.epoch.encode()
+        if not self._apply_changes() or self.revision < current:
+            self.index, self.revision, self.last_entry, self.epoch = state
+            return False
+        self.snapshot_loads += 1
+        log.info("gallery snapshot %s/%s mapped (%d faces)", folder.path, meta.stem, meta.faces)
+        return True
+
+    def _write_snapshot(self, folder: SnapshotFolder) -> None:
+        """Write this worker's faces as the folder's newest snapshot and map it (lock held)."""
+        started = time.perf_counter()
+        try:
+            meta = folder.write(
+                self.revision,
+                self.last_entry,
+                len(self.index),
+                self.dim,
+                self.index.chunks(),
+                with_codes=self.dim <= INT8_SCAN_MAX_DIM,
+            )
+        except OSError as exc:  # e.g. /dev/shm full (a container's default is 64 MB)
+            log.warning(
+                "gallery snapshot not written to %s (%s): this worker keeps its own copy of the vectors; "
+                "give the folder more room (Docker: shm_size) or set SPHEREFACE_GALLERY_SNAPSHOTS",
+                folder.path,
+                exc,
+            )
+            self.snapshot_root = None
+            return
+        self.snapshots_written += 1
+        log.info("gallery snapshot %s written in %.1f s", meta.stem, time.perf_counter() - started)
+        self._map_snapshot(folder, meta, self.revision)
+
+    def _follow_snapshots(self) -> None:
+        """Map a newer snapshot of another worker; write one when this worker's delta is large."""
+        folder = self._folder(self.epoch)
+        if folder is None or time.monotonic() < self._next_snapshot_check:
+            return
+        self._next_snapshot_check = time.monotonic() + CHECK_SECONDS
+        mapped = self.index.meta.revision if isinstance(self.index, LayeredIndex) else -1
+        latest = folder.latest()
+        if (
+            latest is not None
+            and latest.revision > mapped
+            and self._map_snapshot(folder, latest, self.revision)
+        ):
+            return
+        if not isinstance(self.index, LayeredIndex) or self.index.changes <= max(
+            COMPACT_FACES, self.index.meta.faces // 10
+        ):
+            return
+        with folder.lock(blocking=False) as locked:
+            if locked:
+                self._write_snapshot(folder)
+
+    def _reload(self, epoch: bytes, current: int) -> None:
+        """Load every face: from the newest snapshot when the stream still reaches back to it,
+        else from Redis (then written as a snapshot for the other workers)."""
+        folder = self._folder(epoch)
+        if folder is None:
+            self._load_from_redis(epoch)
+            self._apply_changes()
+            return
+        with folder.lock():  # the other workers wait, then map what this one writes
+            latest = folder.latest()
+            if latest is not None and self._map_snapshot(folder, latest, current):
+                return
+            self._load_from_redis(epoch)
+            self._apply_changes()
+            self._write_snapshot(folder)
 
     def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
         self.refresh()
@@ -266,7 +506,7 @@ class LiveIndex:
                 np.stack([np.frombuffer(v, dtype="<f4") for _, _, v in kept]),
             )
 
-    def _reload(self, epoch: bytes) -> None:
+    def _load_from_redis(self, epoch: bytes) -> None:
         """Load every face of the model; remember the revision and stream position it reflects."""
         started = time.perf_counter()
         r = self.store.redis
@@ -274,7 +514,7 @@ class LiveIndex:
         pipe.get(self.store.rev_key)
         pipe.xrevrange(self.store.changes_key, count=1)
         rev, last = pipe.execute()
-        self.index.clear()
+        self.index = VectorIndex(self.dim)
         batch_ids: list[str] = []
         for face_id in r.sscan_iter(self.store.model_faces_key(self.model_id), count=self.batch):
             batch_ids.append(face_id.decode())

@@ -121,6 +121,13 @@ class Int8Scan:
     def nbytes(self) -> int:
         return self.codes.nbytes
 
+    @classmethod
+    def over(cls, codes: np.ndarray, max_residual: float, max_norm: float) -> Int8Scan:
+        """The scan of codes written before (a snapshot's, mapped read-only) and their bound."""
+        scan = cls(codes.shape[1])
+        scan.codes, scan.max_residual, scan.max_norm = codes, max_residual, max_norm
+        return scan
+
     def reserve(self, capacity: int, used: int) -> None:
         if capacity > len(self.codes):
             codes = np.full((capacity, self.dim), ZERO_POINT, dtype=np.uint8)
@@ -141,9 +148,16 @@ class Int8Scan:
         self.codes[target] = self.codes[source]
 
     def candidates(
-        self, query: np.ndarray, n: int, subject_codes: np.ndarray, k: int, threads: int = 0
+        self,
+        query: np.ndarray,
+        n: int,
+        subject_codes: np.ndarray,
+        k: int,
+        threads: int = 0,
+        excluded: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Rows (of the first ``n``) that can hold the best face of one of the top-k subjects."""
+        """Rows (of the first ``n``, less ``excluded``) that can hold the best face of one of the
+        top-k subjects."""
         d, scale, d_norm, residual = quantize_query(query)
         q_norm = float(np.linalg.norm(query))
         to_score = scale * self.step
@@ -153,6 +167,8 @@ class Int8Scan:
             + ROUNDING * (q_norm * self.max_norm + 1.0)
         )
         scores = int_scores(self.codes[:n], d, threads)
+        if excluded is not None:
+            scores[excluded] = np.iinfo(np.int32).min  # below every bound: never a candidate
         # A safe first threshold from the first block: its k-th best subject lower bound can only
         # be below the whole gallery's. It cuts the gallery to a few thousand rows in one pass.
         head = min(n, BLOCK_ROWS)
@@ -160,9 +176,15 @@ class Int8Scan:
         top = np.argpartition(-scores[:head], take - 1)[:take] if take < head else np.arange(head)
         threshold = kth_subject_value(scores[top] * to_score - eps, subject_codes[top], k)
         if threshold == -math.inf:
-            return np.arange(n)
+            return _without(np.arange(n), excluded)
         rows = np.flatnonzero(scores >= math.floor((threshold - eps) / to_score))
         # The same argument on the survivors gives the final threshold.
         approx = scores[rows] * to_score
         threshold = kth_subject_value(approx - eps, subject_codes[rows], k)
-        return rows[approx + eps >= threshold]
+        return _without(rows[approx + eps >= threshold], excluded)
+
+
+def _without(rows: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
+    """``rows`` less the excluded ones (with fewer live subjects than k, excluded rows can pass
+    the threshold: their bound is low, not minus infinity)."""
+    return rows if excluded is None else rows[~np.isin(rows, excluded)]

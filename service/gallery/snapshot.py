@@ -1,0 +1,243 @@
+"""One copy of a model's gallery vectors per machine: snapshots that every worker maps read-only.
+
+Without snapshots each worker of ``sphereface serve --workers N`` loads the whole gallery from
+Redis into its own float32 matrix: N copies (2 GB each at 1M faces of 512 numbers). With a
+snapshot folder (``SPHEREFACE_GALLERY_SNAPSHOTS``; ``sphereface serve`` picks one under
+``/dev/shm`` when it starts several workers), the first worker to load a model's gallery writes
+it to a snapshot file there, and every worker (itself included) maps that file read-only: the
+operating system keeps one copy in memory, shared by all of them.
+
+A snapshot is immutable and belongs to one gallery epoch and one revision. A worker applies the
+changes after it from the change stream to a small private *delta* (added faces as rows of its
+own; removed or replaced snapshot faces masked): :class:`service.gallery.index.LayeredIndex`.
+When a delta grows past :data:`COMPACT_FACES` (or a tenth of the snapshot), the worker that gets
+the folder's lock first writes a new snapshot of its current state; every worker switches to the
+newest snapshot at its next search (at most once per :data:`CHECK_SECONDS`), re-applying the
+stream from the snapshot's position. Older snapshot files are unlinked; a worker still mapping
+one keeps it alive until it switches.
+
+Files of a snapshot ``rev-<revision>`` (written under temporary names, renamed, and the ``.json``
+last: a snapshot without its ``.json`` does not exist):
+
+* ``.vectors.npy``: float32 ``(faces, dim)``;
+* ``.codes.npy``: uint8 ``(faces, dim)``, the int8 scan's codes (service/gallery/int8_scan.py),
+  for vectors of at most ``INT8_SCAN_MAX_DIM`` numbers;
+* ``.faces.tsv``: ``face_id<TAB>subject_id`` per row;
+* ``.json``: revision, stream position, counts, the int8 bound's residual and norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.gallery import int8_scan
+
+#: Faces in a worker's delta (added, or masked in the snapshot) that make it write a new snapshot
+#: (or a tenth of the snapshot's faces, whichever is more).
+COMPACT_FACES = 50_000
+#: How often a worker looks for a newer snapshot than the one it maps (seconds).
+CHECK_SECONDS = 1.0
+#: Snapshots kept per model and epoch (the newest; older ones are unlinked).
+KEEP = 2
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    model_id: str
+    epoch: str
+    revision: int
+    last_entry: str
+    faces: int
+    dim: int
+    has_codes: bool
+    max_residual: float
+    max_norm: float
+
+    @property
+    def stem(self) -> str:
+        return f"rev-{self.revision:012d}"
+
+
+@dataclass
+class Snapshot:
+    """A mapped snapshot: read-only arrays and the ids of its rows."""
+
+    meta: SnapshotMeta
+    vectors: np.ndarray
+    codes: np.ndarray | None
+    face_ids: list[str]
+    subject_ids: list[str]
+
+
+def allocate_npy(path: Path, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+    """A new .npy file of ``shape``, its space reserved first, mapped for writing.
+
+    The reservation (``posix_fallocate``) makes a full /dev/shm an OSError here: writing
+    through a mapping into a file that cannot grow would kill the process with SIGBUS instead."""
+    dtype = np.dtype(dtype)
+    with open(path, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(f, header)
+        offset = f.tell()
+        size = int(np.prod(shape)) * dtype.itemsize
+        if size == 0:
+            return np.empty(shape, dtype)  # nothing to write (an empty array cannot be mapped)
+        os.posix_fallocate(f.fileno(), 0, offset + size)
+    return np.memmap(path, dtype, "r+", offset=offset, shape=shape)
+
+
+def default_root(workers: int) -> Path | None:
+    """Where ``sphereface serve`` puts snapshots: a fresh folder in /dev/shm with several workers."""
+    if workers < 2 or not (SHM.is_dir() and os.access(SHM, os.W_OK)):
+        return None
+    return SHM / f"sphereface-gallery-{os.getpid()}"
+
+
+class SnapshotFolder:
+    """The snapshots of one model of one gallery epoch under ``root``."""
+
+    def __init__(self, root: Path, model_id: str, epoch: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", model_id)
+        self.path = Path(root) / f"{safe}-{epoch}"
+        self.model_id, self.epoch = model_id, epoch
+
+    @contextlib.contextmanager
+    def lock(self, blocking: bool = True) -> Iterator[bool]:
+        """The folder's exclusive lock (across processes); yields False when not blocking and taken."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / "lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def latest(self) -> SnapshotMeta | None:
+        """The newest complete snapshot, or None."""
+        try:
+            names = sorted(p for p in os.listdir(self.path) if p.startswith("rev-") and p.endswith(".json"))
+        except FileNotFoundError:
+            return None
+        for name in reversed(names):
+            try:
+                return SnapshotMeta(**json.loads((self.path / name).read_text()))
+            except (OSError, ValueError, TypeError):
+                continue  # unlinked meanwhile, or not ours: try the next
+        return None
+
+    def open(self, meta: SnapshotMeta) -> Snapshot | None:
+        """Map a snapshot read-only (None when it was unlinked meanwhile)."""
+        base = self.path / meta.stem
+        mode = "r" if meta.faces else None  # an empty array cannot be mapped
+        try:
+            vectors = np.load(f"{base}.vectors.npy", mmap_mode=mode)
+            codes = np.load(f"{base}.codes.npy", mmap_mode=mode) if meta.has_codes else None
+            face_ids, subject_ids = [], []
+            with open(f"{base}.faces.tsv", encoding="utf-8") as f:
+                for line in f:
+                    face_id, _, subject_id = line.rstrip("\n").partition("\t")
+                    face_ids.append(face_id)
+                    subject_ids.append(subject_id)
+        except FileNotFoundError:
+            return None
+        if vectors.shape != (meta.faces, meta.dim) or len(face_ids) != meta.faces:
+            raise ValueError(f"snapshot {base} does not match its description")
+        return Snapshot(meta, vectors, codes, face_ids, subject_ids)
+
+    def write(
+        self,
+        revision: int,
+        last_entry: str,
+        faces: int,
+        dim: int,
+        chunks: Iterable[tuple[Sequence[str], Sequence[str], np.ndarray]],
+        with_codes: bool,
+    ) -> SnapshotMeta:
+        """Write a snapshot of ``faces`` rows given in ``chunks`` of (face ids, subject ids,
+        float32 vectors); the caller holds :meth:`lock`. Then unlink all but the newest KEEP."""
+        stem = f"rev-{revision:012d}"
+        base, tmp = self.path / stem, f".tmp-{os.getpid()}"
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._write(base, tmp, revision, last_entry, faces, dim, chunks, with_codes)
+        except BaseException:
+            for name in os.listdir(self.path):
+                if name.startswith(stem) and name.endswith(tmp):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path / name)
+            raise
+
+    def _write(
+        self,
+        base: Path,
+        tmp: str,
+        revision: int,
+        last_entry: str,
+        faces: int,
+        dim: int,
+        chunks: Iterable[tuple[Sequence[str], Sequence[str], np.ndarray]],
+        with_codes: bool,
+    ) -> SnapshotMeta:
+        vectors = allocate_npy(Path(f"{base}.vectors{tmp}"), np.float32, (faces, dim))
+        codes = allocate_npy(Path(f"{base}.codes{tmp}"), np.uint8, (faces, dim)) if with_codes else None
+        step = int8_scan.code_step(dim)
+        max_residual = max_norm = 0.0
+        row = 0
+        with open(f"{base}.faces.tsv{tmp}", "w", encoding="utf-8") as f:
+            for face_ids, subject_ids, part in chunks:
+                part = np.asarray(part, dtype=np.float32)
+                vectors[row : row + len(part)] = part
+                if codes is not None and len(part):
+                    codes[row : row + len(part)], residual = int8_scan.quantize_rows(part, step)
+                    max_residual = max(max_residual, float(residual.max()))
+                    max_norm = max(max_norm, float(np.linalg.norm(part, axis=1).max()))
+                f.writelines(
+                    f"{face}\t{subject}\n" for face, subject in zip(face_ids, subject_ids, strict=True)
+                )
+                row += len(part)
+        if row != faces:
+            raise ValueError(f"snapshot of {faces} faces got {row}")
+        for array, name in ((vectors, "vectors"), (codes, "codes")):
+            if array is not None:
+                if isinstance(array, np.memmap):
+                    array.flush()
+                os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
+        os.replace(f"{base}.faces.tsv{tmp}", f"{base}.faces.tsv")
+        meta = SnapshotMeta(
+            self.model_id, self.epoch, revision, last_entry, faces, dim, with_codes, max_residual, max_norm
+        )
+        Path(f"{base}.json{tmp}").write_text(json.dumps(asdict(meta)))
+        os.replace(f"{base}.json{tmp}", f"{base}.json")
+        self._prune()
+        return meta
+
+    def _prune(self) -> None:
+        """Unlink all but the newest KEEP snapshots, and files a crashed writer left."""
+        names = os.listdir(self.path)
+        stems = sorted({p.split(".", 1)[0] for p in names if p.startswith("rev-") and p.endswith(".json")})
+        keep = set(stems[-KEEP:])
+        mine = f".tmp-{os.getpid()}"
+        for name in names:
+            if name.startswith("rev-") and name.split(".", 1)[0] not in keep and not name.endswith(mine):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path / name)
+
+
+def remove_root(root: Path) -> None:
+    """Delete a snapshot root (``sphereface serve`` does at exit: /dev/shm is memory)."""
+    shutil.rmtree(root, ignore_errors=True)
