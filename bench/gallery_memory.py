@@ -6,8 +6,10 @@ vectors, against one snapshot that the workers map (service/gallery/snapshot.py)
 2. For each mode (``off``: ``SPHEREFACE_GALLERY_SNAPSHOTS=off``, each worker loads Redis into its
    own matrix; ``shared``: the default of ``--workers 2``, a snapshot in /dev/shm), a real
    ``sphereface serve --workers 2`` starts on that Redis; once both workers have loaded the
-   gallery, each worker's RSS, PSS (its fair share of pages shared with others) and private
-   memory are read from ``/proc/<pid>/smaps_rollup``, with the snapshot's size in /dev/shm.
+   gallery and answered 20 ``/v1/identify`` requests (a real photo; the requests are spread over
+   the workers), each worker's RSS, PSS (its fair share of pages shared with others) and private
+   memory are read from ``/proc/<pid>/smaps_rollup``, with the snapshot's size in /dev/shm. The
+   machine's total is the workers' private memory, plus /dev/shm, plus the shared libraries once.
 3. Search latency over the mapped snapshot against the private matrix, in process: the same
    gallery as a :class:`VectorIndex` and as a :class:`LayeredIndex` on its snapshot, 5
    interleaved rounds of 20 queries (median per query and the range of the round medians).
@@ -43,6 +45,7 @@ from service.gallery.store import GalleryStore  # noqa: E402
 from service.redis_server import LocalRedis, find_redis_server  # noqa: E402
 
 KEY = "bench-gallery-memory-key"
+SEARCHES = 20
 BATCH = 5000
 
 
@@ -136,7 +139,18 @@ def serve_and_measure(redis_url: str, mode: str, data_dir: Path, faces: int) -> 
                 raise RuntimeError(f"the workers did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.5)
         ready_s = time.perf_counter() - started
-        time.sleep(2)
+        photo = REPO.parent / "shared" / "data" / "photos" / "people" / "obama" / "1.jpg"
+        searches = []
+        for _ in range(SEARCHES):  # spread over both workers by the kernel: each maps what it reads
+            t = time.perf_counter()
+            r = client.post(  # a new connection each: the kernel hands them to either worker
+                "/v1/identify",
+                files=[("photo", (photo.name, photo.read_bytes(), "image/jpeg"))],
+                headers={"Connection": "close"},
+            )
+            r.raise_for_status()
+            searches.append(time.perf_counter() - t)
+        time.sleep(1)
         workers = [
             pid for pid in children(process.pid) if "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
         ]
@@ -154,11 +168,14 @@ def serve_and_measure(redis_url: str, mode: str, data_dir: Path, faces: int) -> 
             )
         shm = Path(f"/dev/shm/sphereface-gallery-{process.pid}")
         shm_bytes = sum(p.stat().st_size for p in shm.rglob("*") if p.is_file()) if shm.exists() else 0
+        private = sum(w["private_bytes"] for w in per_worker)
         return {
             "mode": mode,
             "workers": per_worker,
             "ready_s": ready_s,
             "snapshot_bytes_in_dev_shm": shm_bytes,
+            "total_bytes": private + shm_bytes + max((w["shared_bytes"] for w in per_worker), default=0),
+            "identify_median_ms": float(np.median(searches)) * 1e3,
         }
     finally:
         process.send_signal(signal.SIGINT)
@@ -228,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         report["serve"] = [serve_and_measure(redis.url, mode, work, args.faces) for mode in ("off", "shared")]
         for run in report["serve"]:
             gib = [f"{w['rss_bytes'] / 2**30:.2f}/{w['pss_bytes'] / 2**30:.2f}" for w in run["workers"]]
-            log(f"{run['mode']}: RSS/PSS GiB per worker {gib}, ready in {run['ready_s']:.0f} s")
+            total = run["total_bytes"] / 2**30
+            ready = run["ready_s"]
+            log(f"{run['mode']}: RSS/PSS GiB per worker {gib}, total {total:.2f} GiB, ready {ready:.0f} s")
     finally:
         redis.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -11,7 +11,7 @@ convention of the original MATLAB code, whose box widths are ``x2 - x1 + 1``). L
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,12 @@ FACE_POLICIES = ("largest", "central", "all")
 #: O-Net's is raised to 0.95 because 0.9 passes a telephone (0.943) in a test photo, while on
 #: 1,500 random LFW photos the share with a face found is 100% at both (docs/face_path.md).
 DEFAULT_THRESHOLDS = (0.6, 0.7, 0.95)
+#: Each pyramid level is resized from an image at least this many times its size on each side
+#: (MTCNNDetector._pyramid): close to resizing the full photo, at a fraction of the pixels read.
+PYRAMID_OVERSAMPLING = 3.0
+#: Photos of fewer pixels make every level from the photo (reading them is cheap; LFW's and the
+#: training sets' 250x250 photos keep exactly the pyramid they had).
+PYRAMID_CASCADE_MIN_PIXELS = 1_000_000
 
 
 @dataclass
@@ -159,6 +165,9 @@ class MTCNNDetector:
             scaled down to it: the pyramid starts smaller, so the smallest face looked for grows to
             ``min_face_size * longer side / max_image_side``. R-Net, O-Net and the landmarks still
             work on the full-resolution photo. None: no limit.
+        pyramid_oversampling: make each pyramid level from an image at least this many times its
+            size (see :meth:`_pyramid`); None: every level from the full photo (slower on large
+            photos, the same faces and landmarks: tests/test_mtcnn.py).
     """
 
     def __init__(
@@ -172,6 +181,7 @@ class MTCNNDetector:
         intra_op_threads: int = 0,
         allow_fallback: bool = False,
         max_image_side: int | None = None,
+        pyramid_oversampling: float | None = PYRAMID_OVERSAMPLING,
     ) -> None:
         if min_face_size < 12:
             raise ValueError("min_face_size must be at least 12 pixels (P-Net's window)")
@@ -188,6 +198,7 @@ class MTCNNDetector:
             raise ValueError("max_image_side must be at least 48 pixels")
         self.min_face_size = float(min_face_size)
         self.max_image_side = max_image_side
+        self.pyramid_oversampling = pyramid_oversampling
         self.thresholds = tuple(float(t) for t in thresholds)
         self.scale_factor = float(scale_factor)
         self.nms_thresholds = (0.5, 0.7, 0.7, 0.7)  # per scale, across scales, R-Net, O-Net
@@ -246,14 +257,36 @@ class MTCNNDetector:
             side *= self.scale_factor
         return scales
 
+    def _pyramid(self, pil: Image.Image) -> Iterator[tuple[float, np.ndarray]]:
+        """(scale, level) of P-Net's image pyramid, largest first.
+
+        Each level is a BOX (area-average) resize of the smallest image already made, the photo
+        or a level, that is at least :data:`PYRAMID_OVERSAMPLING` times as large on each side, not
+        of the full photo every time: on a 12-megapixel photo that reads about 5 megapixels
+        instead of 120. With ``pyramid_oversampling=None``, and for photos under
+        :data:`PYRAMID_CASCADE_MIN_PIXELS`, every level comes from the photo.
+        """
+        width, height = pil.size
+        sources = [pil]  # largest first
+        for scale in self._scales(height, width):
+            size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
+            source = pil
+            if self.pyramid_oversampling is not None and width * height >= PYRAMID_CASCADE_MIN_PIXELS:
+                for candidate in reversed(sources):
+                    if candidate.size[0] >= self.pyramid_oversampling * size[0] and (
+                        candidate.size[1] >= self.pyramid_oversampling * size[1]
+                    ):
+                        source = candidate
+                        break
+            level = source.resize(size, Image.Resampling.BOX)
+            sources.append(level)
+            yield scale, np.asarray(level)
+
     def _stage_pnet(self, pils: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         all_boxes, all_groups = [], []
         for group, pil in enumerate(pils):
-            width, height = pil.size
             per_scale = []
-            for scale in self._scales(height, width):
-                size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
-                level = np.asarray(pil.resize(size, Image.Resampling.BOX))
+            for scale, level in self._pyramid(pil):
                 prob, reg = self.pnet.run(None, {"image": _normalize(level[None])})
                 found = self._pnet_boxes(prob[0], reg[0], scale)
                 if len(found):
