@@ -19,7 +19,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-gallery-scan bench-models bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-gallery-scan bench-gallery-memory bench-models bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -227,6 +227,11 @@ bench-service: install models
 # rounds (about 3 minutes, 16 GB of memory at 10M; docs/service.md "Search at 10M faces").
 bench-gallery-scan: install
 	$(BIN)/python bench/gallery_scan.py --json docs/results/bench_gallery_scan.json
+
+# Memory of sphereface serve --workers 2 at 1M faces, each worker its own copy against one shared
+# snapshot, and search over the snapshot (about 6 minutes; docs/service.md "Memory with two workers").
+bench-gallery-memory: install
+	$(BIN)/python bench/gallery_memory.py --json docs/results/bench_gallery_memory.json
 
 # /v1/verify of the same photo pairs with the default model, the project-trained one (the old
 # default) and the reference: latency (median of 5 interleaved rounds, with the range) and
