@@ -74,6 +74,7 @@ def test_workers_map_one_snapshot(redis_client, other_client, rng, shm):
     for worker in (worker_a, worker_b):
         assert isinstance(worker.index, LayeredIndex)
         assert isinstance(worker.index.base._matrix, np.memmap)  # mapped, not a private copy
+        assert isinstance(worker.index.base._subject_codes, np.memmap)  # the ids too
         assert not worker.index.base._matrix.flags.writeable
     assert worker_a.index.base._matrix.filename == worker_b.index.base._matrix.filename
     assert_matches_gallery(worker_a, store_a, rng)
@@ -242,3 +243,18 @@ def test_a_full_snapshot_folder_leaves_the_worker_its_own_copy(redis_client, rng
     store.create_subject("later")
     add_one(store, "later", "m1", unit(rng))
     assert_matches_gallery(worker, store, rng)
+
+
+def test_mapped_ids_find_rows_by_binary_search(tmp_path):
+    from service.gallery.snapshot import MappedIds
+
+    ids = ["f10", "f1", "a", "zz9", "f100"]
+    index = VectorIndex(DIM)
+    index.add(ids, ["s"] * 5, np.eye(DIM, dtype=np.float32)[:5])
+    folder = SnapshotFolder(tmp_path, "m1", "e")
+    snap = folder.open(folder.write(1, "1-0", 5, DIM, index.chunks(size=2), with_codes=False))
+    mapped = snap.face_ids
+    assert isinstance(mapped, MappedIds) and isinstance(snap.subject_codes, np.memmap)
+    assert [mapped.get(f) for f in ids] == [0, 1, 2, 3, 4]
+    assert mapped.get("f") is None and mapped.get("f1000") is None and "zz" not in mapped
+    assert mapped[1:3] == ["f1", "a"] and list(mapped) == ids

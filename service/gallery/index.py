@@ -137,15 +137,17 @@ class VectorIndex:
 
     @classmethod
     def over_snapshot(cls, snapshot: Snapshot) -> VectorIndex:
-        """A read-only index over a mapped snapshot: search it (with rows excluded), never change it."""
+        """A read-only index over a mapped snapshot: search it (with rows excluded), never change it.
+
+        Vectors, int8 codes, face ids and subject codes all stay in the mapped files; the index
+        holds only the subject names."""
         meta = snapshot.meta
         index = cls(meta.dim, initial_capacity=0)
         index._matrix = snapshot.vectors
-        index._face_ids = snapshot.face_ids
-        index._row = {face_id: row for row, face_id in enumerate(snapshot.face_ids)}
-        index._subject_codes = np.fromiter(
-            (index._code(s) for s in snapshot.subject_ids), dtype=np.int32, count=meta.faces
-        )
+        index._face_ids = snapshot.face_ids  # type: ignore[assignment]  (MappedIds: str by row)
+        index._row = snapshot.face_ids  # type: ignore[assignment]  (.get / in, by binary search)
+        index._subject_codes = snapshot.subject_codes
+        index._subject_names = snapshot.subject_names
         if snapshot.codes is not None:
             index._int8 = Int8Scan.over(snapshot.codes, meta.max_residual, meta.max_norm)
         index.read_only = True
@@ -265,7 +267,7 @@ class LayeredIndex:
     @property
     def nbytes(self) -> int:
         """This worker's own bytes (the snapshot's are shared)."""
-        return self.delta.nbytes + self._masked.nbytes + self.base._subject_codes.nbytes
+        return self.delta.nbytes + self._masked.nbytes
 
     def _mask(self, face_ids: Sequence[str]) -> None:
         for face_id in face_ids:

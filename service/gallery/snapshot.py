@@ -22,7 +22,9 @@ last: a snapshot without its ``.json`` does not exist):
 * ``.vectors.npy``: float32 ``(faces, dim)``;
 * ``.codes.npy``: uint8 ``(faces, dim)``, the int8 scan's codes (service/gallery/int8_scan.py),
   for vectors of at most ``INT8_SCAN_MAX_DIM`` numbers;
-* ``.faces.tsv``: ``face_id<TAB>subject_id`` per row;
+* ``.ids.npy``, ``.sorted_ids.npy``, ``.order.npy``: the face ids (fixed-width bytes) by row,
+  sorted, and the row of each sorted one (a face's row is a binary search);
+* ``.subjects.npy``: int32 subject code per row, into ``.subject_names.txt`` (one per line);
 * ``.json``: revision, stream position, counts, the int8 bound's residual and norm.
 """
 
@@ -71,13 +73,47 @@ class SnapshotMeta:
 
 @dataclass
 class Snapshot:
-    """A mapped snapshot: read-only arrays and the ids of its rows."""
+    """A mapped snapshot: read-only arrays (the ids too, so a worker keeps almost nothing of its own)."""
 
     meta: SnapshotMeta
     vectors: np.ndarray
     codes: np.ndarray | None
-    face_ids: list[str]
-    subject_ids: list[str]
+    face_ids: MappedIds
+    subject_codes: np.ndarray  # int32 per row, into subject_names
+    subject_names: list[str]
+
+
+class MappedIds:
+    """The face ids of a snapshot's rows: ``ids[row]`` -> str, ``get(face_id)`` -> row or None.
+
+    Fixed-width byte strings, mapped; a lookup is a binary search in the sorted copy."""
+
+    def __init__(self, by_row: np.ndarray, sorted_ids: np.ndarray, order: np.ndarray) -> None:
+        self._by_row, self._sorted, self._order = by_row, sorted_ids, order
+
+    def __len__(self) -> int:
+        return len(self._by_row)
+
+    def __getitem__(self, row: int | slice) -> str | list[str]:
+        if isinstance(row, slice):
+            return [face.decode() for face in self._by_row[row]]
+        return self._by_row[row].decode()
+
+    def __iter__(self) -> Iterator[str]:
+        for face in self._by_row:
+            yield face.decode()
+
+    def get(self, face_id: str) -> int | None:
+        if not len(self._sorted):
+            return None
+        key = face_id.encode()
+        pos = int(np.searchsorted(self._sorted, key))
+        if pos < len(self._sorted) and self._sorted[pos] == key:
+            return int(self._order[pos])
+        return None
+
+    def __contains__(self, face_id: str) -> bool:
+        return self.get(face_id) is not None
 
 
 def allocate_npy(path: Path, dtype: type, shape: tuple[int, int]) -> np.ndarray:
@@ -144,20 +180,25 @@ class SnapshotFolder:
         """Map a snapshot read-only (None when it was unlinked meanwhile)."""
         base = self.path / meta.stem
         mode = "r" if meta.faces else None  # an empty array cannot be mapped
+
+        def load(name: str) -> np.ndarray:
+            return np.load(f"{base}.{name}.npy", mmap_mode=mode, allow_pickle=False)
+
         try:
-            vectors = np.load(f"{base}.vectors.npy", mmap_mode=mode)
-            codes = np.load(f"{base}.codes.npy", mmap_mode=mode) if meta.has_codes else None
-            face_ids, subject_ids = [], []
-            with open(f"{base}.faces.tsv", encoding="utf-8") as f:
-                for line in f:
-                    face_id, _, subject_id = line.rstrip("\n").partition("\t")
-                    face_ids.append(face_id)
-                    subject_ids.append(subject_id)
+            vectors = load("vectors")
+            codes = load("codes") if meta.has_codes else None
+            ids = MappedIds(load("ids"), load("sorted_ids"), load("order"))
+            subject_codes = load("subjects")
+            subject_names = Path(f"{base}.subject_names.txt").read_text(encoding="utf-8").split("\n")[:-1]
         except FileNotFoundError:
             return None
-        if vectors.shape != (meta.faces, meta.dim) or len(face_ids) != meta.faces:
+        if (
+            vectors.shape != (meta.faces, meta.dim)
+            or len(ids) != meta.faces
+            or len(subject_codes) != meta.faces
+        ):
             raise ValueError(f"snapshot {base} does not match its description")
-        return Snapshot(meta, vectors, codes, face_ids, subject_ids)
+        return Snapshot(meta, vectors, codes, ids, subject_codes, subject_names)
 
     def write(
         self,
@@ -198,26 +239,41 @@ class SnapshotFolder:
         step = int8_scan.code_step(dim)
         max_residual = max_norm = 0.0
         row = 0
-        with open(f"{base}.faces.tsv{tmp}", "w", encoding="utf-8") as f:
-            for face_ids, subject_ids, part in chunks:
-                part = np.asarray(part, dtype=np.float32)
-                vectors[row : row + len(part)] = part
-                if codes is not None and len(part):
-                    codes[row : row + len(part)], residual = int8_scan.quantize_rows(part, step)
-                    max_residual = max(max_residual, float(residual.max()))
-                    max_norm = max(max_norm, float(np.linalg.norm(part, axis=1).max()))
-                f.writelines(
-                    f"{face}\t{subject}\n" for face, subject in zip(face_ids, subject_ids, strict=True)
-                )
-                row += len(part)
+        all_ids: list[str] = []
+        subject_codes = np.empty(faces, dtype=np.int32)
+        subject_code: dict[str, int] = {}
+        for face_ids, subject_ids, part in chunks:
+            part = np.asarray(part, dtype=np.float32)
+            if row + len(part) > faces:
+                raise ValueError(f"snapshot of {faces} faces got more")
+            vectors[row : row + len(part)] = part
+            if codes is not None and len(part):
+                codes[row : row + len(part)], residual = int8_scan.quantize_rows(part, step)
+                max_residual = max(max_residual, float(residual.max()))
+                max_norm = max(max_norm, float(np.linalg.norm(part, axis=1).max()))
+            all_ids.extend(face_ids)
+            subject_codes[row : row + len(part)] = [
+                subject_code.setdefault(s, len(subject_code)) for s in subject_ids
+            ]
+            row += len(part)
         if row != faces:
             raise ValueError(f"snapshot of {faces} faces got {row}")
-        for array, name in ((vectors, "vectors"), (codes, "codes")):
-            if array is not None:
-                if isinstance(array, np.memmap):
-                    array.flush()
+        by_row = np.array([face.encode() for face in all_ids], dtype=bytes) if all_ids else np.zeros(0, "S1")
+        order = np.argsort(by_row, kind="stable")
+        small = {"ids": by_row, "sorted_ids": by_row[order], "order": order, "subjects": subject_codes}
+        for name, array in small.items():
+            with open(f"{base}.{name}{tmp}", "wb") as f:
+                np.save(f, array, allow_pickle=False)
+        Path(f"{base}.subject_names{tmp}").write_text(
+            "".join(f"{n}\n" for n in subject_code), encoding="utf-8"
+        )
+        for array in (vectors, codes):
+            if isinstance(array, np.memmap):
+                array.flush()
+        for name in ("vectors", "codes", *small):
+            if name != "codes" or codes is not None:
                 os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
-        os.replace(f"{base}.faces.tsv{tmp}", f"{base}.faces.tsv")
+        os.replace(f"{base}.subject_names{tmp}", f"{base}.subject_names.txt")
         meta = SnapshotMeta(
             self.model_id, self.epoch, revision, last_entry, faces, dim, with_codes, max_residual, max_norm
         )
