@@ -343,6 +343,41 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_calibrate)
 
 
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="an int8 copy of a model folder (ONNX Runtime static quantisation on real faces)",
+        description="Writes <name>_int8: int8 weights per channel, activations calibrated on the aligned "
+        "faces of --calibration photos (not the ones you evaluate on). Its thresholds are not copied: run "
+        "`sphereface calibrate --model OUT` and `sphereface evaluate lfw --model OUT` (make int8-model). "
+        "See models/quantize.py.",
+    )
+    p.add_argument("--model", default="default", help="model name (`sphereface models`) or folder")
+    p.add_argument("--calibration", required=True, help="a folder of photos (searched recursively)")
+    p.add_argument("--faces", type=int, default=200, help="calibration faces (default: 200)")
+    p.add_argument("--out", required=True, help="the new model folder")
+    p.set_defaults(func=_run_quantize)
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from models.quantize import calibration_crops, quantize_model
+    from models.registry import resolve_model
+
+    model_dir = resolve_model(args.model)
+    photos = sorted(
+        p for p in Path(args.calibration).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png")
+    )
+    if not photos:
+        raise SystemExit(f"no photos (.jpg, .png) under {args.calibration}")
+    photos = photos[:: max(1, len(photos) // (2 * args.faces))]  # spread over the folder's people
+    crops = calibration_crops(model_dir, photos, args.faces)
+    out = quantize_model(model_dir, Path(args.out), crops)
+    print(f"wrote {out} (calibrated on {len(crops)} faces); now: sphereface calibrate --model {out}")
+    return 0
+
+
 def _run_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -702,6 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_evaluate(sub)
     _add_calibrate(sub)
+    _add_quantize(sub)
     _add_report(sub)
     _add_serve(sub)
     _add_keys(sub)
