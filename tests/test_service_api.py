@@ -129,6 +129,18 @@ def test_verify_without_a_face_is_no_face(client, photos_dir):
     assert r.status_code == 422 and r.json()["code"] == "no_face"
 
 
+@pytest.mark.parametrize("order", ["no_face first", "unreadable first"])
+def test_verify_with_two_bad_photos_reports_the_first(client, order):
+    """The two photos are detected side by side; the answer is still the first photo's error."""
+    blank = io.BytesIO()
+    Image.new("RGB", (300, 300), (10, 200, 10)).save(blank, format="JPEG")
+    no_face, unreadable = ("green.jpg", blank.getvalue()), ("broken.jpg", b"GIF89a broken")
+    first, second = (no_face, unreadable) if order == "no_face first" else (unreadable, no_face)
+    r = client.post("/v1/verify", files={"photo1": first, "photo2": second})
+    code = "no_face" if order == "no_face first" else "unreadable_image"
+    assert r.status_code == 422 and r.json()["code"] == code and first[0] in r.json()["message"]
+
+
 def test_verify_with_reject_policy_refuses_a_photo_of_several_faces(client, photos_dir):
     two = (photos_dir / "scenes" / "two_faces_kit_rose.jpg").open("rb")
     one = (photos_dir / "people" / "kit_harington" / "1.jpg").open("rb")

@@ -135,7 +135,7 @@ def _verify(work: FaceWork, body, policy: str) -> VerifyResponse:
     if isinstance(body, VerifyEmbeddings):
         vectors = [check_embedding(v, manifest.output_size) for v in (body.embedding1, body.embedding2)]
     else:
-        photos = [work.detect(form_files(body, name)[0], policy) for name in ("photo1", "photo2")]
+        photos = work.detect_each([form_files(body, name)[0] for name in ("photo1", "photo2")], policy)
         vectors = list(work.embed([p.crops[:1] for p in photos]))
         faces = [face_schema(p.faces[0]) for p in photos]
     score = float(np.clip(vectors[0] @ vectors[1], -1.0, 1.0))
