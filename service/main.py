@@ -20,6 +20,7 @@ import redis
 
 from service.gallery.snapshot import default_root as default_snapshot_root
 from service.gallery.snapshot import remove_root as remove_snapshot_root
+from service.gallery.snapshot import remove_stale_roots as remove_stale_snapshot_roots
 from service.logs import uvicorn_log_config
 from service.settings import Settings
 
@@ -125,6 +126,8 @@ def serve(
         # They share the gallery's vectors through snapshots in /dev/shm (removed at exit).
         own_snapshots = None
         if settings.gallery_snapshots is None and settings.search == "numpy":
+            for stale in remove_stale_snapshot_roots():
+                log.info("removed %s, left by a service that did not stop cleanly", stale)
             own_snapshots = default_snapshot_root(settings.workers)
             if own_snapshots is not None:
                 overrides["gallery_snapshots"] = str(own_snapshots)

@@ -258,3 +258,22 @@ def test_mapped_ids_find_rows_by_binary_search(tmp_path):
     assert [mapped.get(f) for f in ids] == [0, 1, 2, 3, 4]
     assert mapped.get("f") is None and mapped.get("f1000") is None and "zz" not in mapped
     assert mapped[1:3] == ["f1", "a"] and list(mapped) == ids
+
+
+def test_roots_of_dead_services_are_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from service.gallery.snapshot import remove_stale_roots
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"sphereface-gallery-{int(done.stdout)}"
+    alive = tmp_path / f"sphereface-gallery-{os.getpid()}"
+    other = tmp_path / "sphereface-gallery-notapid"
+    for folder in (dead, alive, other):
+        (folder / "m1-e").mkdir(parents=True)
+    assert remove_stale_roots(tmp_path) == [dead]
+    assert not dead.exists() and alive.exists() and other.exists()

@@ -294,6 +294,24 @@ class SnapshotFolder:
                     os.unlink(self.path / name)
 
 
+def remove_stale_roots(shm: Path = SHM) -> list[Path]:
+    """Delete the snapshot roots of ``sphereface serve`` processes that are gone (killed before
+    they could clean up: /dev/shm is memory until the machine restarts); returns them."""
+    removed = []
+    for root in shm.glob("sphereface-gallery-*") if shm.is_dir() else []:
+        pid = root.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(root)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
+
+
 def remove_root(root: Path) -> None:
     """Delete a snapshot root (``sphereface serve`` does at exit: /dev/shm is memory)."""
     shutil.rmtree(root, ignore_errors=True)
