@@ -588,7 +588,12 @@ def test_the_hyperspherical_table_averages_seeds_and_computes_the_claims(tmp_pat
     assert report["table1"]["ga_minus_w_softmax"] == {"conv": pytest.approx(4.0)}
     assert report["table1"]["median_seed_spread"] == pytest.approx(2.0)
     assert report["normalisation"]["b4"]["spherenorm"]["mean"] == pytest.approx(40.0)
+    convergence = report["convergence"]["wsoftmax"]["conv"]  # seed 0 only: log rows 10 and 20
+    assert convergence["loss"]["0-100"] == pytest.approx(1.75) and convergence["loss"]["100-200"] is None
+    assert convergence["test_accuracy"]["100"] is None
+    assert set(report["convergence"]["wsoftmax"]) == {"conv", "sigmoid"}
     text = (out / "hyperspherical.md").read_text()
+    assert "| cosine W-Softmax | original conv | 1.750 | – | – | – | – | – | – | – |" in text
     assert "| original conv | 50.00 | **61.00** (60.00 / 62.00) | 65.00 | 0.100 |" in text
     assert (out / "hyperspherical_convergence.png").stat().st_size > 10000
     assert main(["--runs", str(tmp_path / "empty"), "--out", str(out)]) == 1

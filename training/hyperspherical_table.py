@@ -16,6 +16,7 @@ and ``hyperspherical_faces.png``. A cell with two seeds shows their mean and bot
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import re
 import sys
@@ -126,6 +127,68 @@ def table1_markdown(result: dict[str, Any]) -> str:
         speeds = [c["seconds_per_step"] for c in row.values() if c is not None]
         speed = f"{np.mean(speeds):.3f}" if speeds else "–"
         lines.append(f"| {label} | " + " | ".join(_fmt_cell(row[h]) for h, _ in HEADS) + f" | {speed} |")
+    return "\n".join(lines)
+
+
+#: Step windows whose mean logged training loss shows how fast each operator starts (Fig. 3a/3b).
+CONVERGENCE_WINDOWS = ((0, 100), (100, 200), (300, 400), (700, 800))
+#: Steps whose periodic test accuracy is shown beside them.
+CONVERGENCE_STEPS = (100, 200, 400, 800)
+
+
+def _curve(run_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
+    """(steps, training losses, {step: test accuracy}) of a run's log.csv."""
+    with open(run_dir / "log.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = np.array([int(r["step"]) for r in rows])
+    losses = np.array([float(r["loss"]) for r in rows])
+    tests = {int(r["step"]): float(r["test_accuracy"]) for r in rows if r.get("test_accuracy")}
+    return steps, losses, tests
+
+
+def convergence_table(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per loss and operator (seed 0): the mean training loss in :data:`CONVERGENCE_WINDOWS` and
+    the test accuracy at :data:`CONVERGENCE_STEPS`, same optimiser and steps for every operator."""
+    table: dict[str, Any] = {}
+    for head, _ in HEADS:
+        for op, _ in OPERATORS:
+            name = f"cnn9_{op}_{head}"
+            if name not in runs:
+                continue
+            steps, losses, tests = _curve(Path(runs[name]["run_dir"]))
+            windows = {}
+            for a, b in CONVERGENCE_WINDOWS:
+                inside = losses[(steps > a) & (steps <= b)]
+                windows[f"{a}-{b}"] = float(inside.mean()) if len(inside) else None
+            accuracy = {str(step): 100 * tests[step] if step in tests else None for step in CONVERGENCE_STEPS}
+            table.setdefault(head, {})[op] = {"loss": windows, "test_accuracy": accuracy}
+    return table
+
+
+def convergence_markdown(table: dict[str, Any]) -> str:
+    windows = [f"{a}-{b}" for a, b in CONVERGENCE_WINDOWS]
+    lines = [
+        "| loss | operator | "
+        + " | ".join(f"train loss, steps {w}" for w in windows)
+        + " | "
+        + " | ".join(f"test % at {s}" for s in CONVERGENCE_STEPS)
+        + " |",
+        "|---|---|" + "---|" * (len(windows) + len(CONVERGENCE_STEPS)),
+    ]
+    heads, operators = dict(HEADS), dict(OPERATORS)
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    for head, rows in table.items():
+        for op, row in rows.items():
+            lines.append(
+                f"| {heads[head]} | {operators[op]} | "
+                + " | ".join(fmt(row["loss"][w], ".3f") for w in windows)
+                + " | "
+                + " | ".join(fmt(row["test_accuracy"][str(s)], ".1f") for s in CONVERGENCE_STEPS)
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -372,7 +435,11 @@ def plot_all(runs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
 
 
 def markdown(
-    t1: dict[str, Any], norms: dict[str, Any], deep: dict[str, Any], faces: list[dict[str, Any]]
+    t1: dict[str, Any],
+    norms: dict[str, Any],
+    deep: dict[str, Any],
+    faces: list[dict[str, Any]],
+    convergence: dict[str, Any] | None = None,
 ) -> str:
     parts = [
         "<!-- written by `python -m training.hyperspherical_table` (make hyperspherical-table) -->",
@@ -389,6 +456,10 @@ def markdown(
         f"Median spread between the two seeds of a cell: {t1['median_seed_spread']:.2f} points"
         if t1["median_seed_spread"] is not None
         else "",
+        "",
+        "### Convergence: the same optimiser and steps for every operator (seed 0)",
+        "",
+        convergence_markdown(convergence or {}),
         "",
         "### SphereNorm against BatchNorm: CIFAR-10 test accuracy % after 2,000 steps",
         "",
@@ -428,10 +499,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished CIFAR-10 runs under {args.runs / 'cifar'}", file=sys.stderr)
         return 1
     t1, norms, deep = table1(runs), norm_table(runs), deep_table(runs)
+    convergence = convergence_table(runs)
     faces = face_rows(args.runs, args.baselines, args.loss_table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hyperspherical.md").write_text(markdown(t1, norms, deep, faces))
-    report = {"table1": t1, "normalisation": norms, "deep": deep, "faces": faces, "runs": runs}
+    (args.out / "hyperspherical.md").write_text(markdown(t1, norms, deep, faces, convergence))
+    report = {
+        "table1": t1,
+        "convergence": convergence,
+        "normalisation": norms,
+        "deep": deep,
+        "faces": faces,
+        "runs": runs,
+    }
     (args.out / "hyperspherical.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_all(runs, args.out)
     plot_faces(faces, args.out / "hyperspherical_faces.png")
