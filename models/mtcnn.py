@@ -218,9 +218,9 @@ class MTCNNDetector:
     def detect_batch(self, images: Sequence[np.ndarray]) -> list[list[DetectedFace]]:
         """Faces in several photos (any sizes); R-Net and O-Net run once over all candidates."""
         pils = [self._as_pil(img) for img in images]
-        boxes, groups = self._stage_pnet(pils)
-        boxes, groups = self._stage_rnet(pils, boxes, groups)
-        boxes, groups, points = self._stage_onet(pils, boxes, groups)
+        boxes, groups, sources = self._stage_pnet(pils)
+        boxes, groups = self._stage_rnet(sources, boxes, groups)
+        boxes, groups, points = self._stage_onet(sources, boxes, groups)
         results: list[list[DetectedFace]] = [[] for _ in images]
         for box, group, pts in zip(boxes, groups, points, strict=True):
             results[group].append(DetectedFace(box=box[:4].copy(), score=float(box[4]), landmarks=pts))
@@ -235,7 +235,7 @@ class MTCNNDetector:
         """
         pil = self._as_pil(image)
         square = _square(np.asarray(box, dtype=np.float64)[None, :4])
-        prob, reg, marks = self._run_net(self.onet, self._crops(pil, square, 48))
+        prob, reg, marks = self._run_net(self.onet, self._crops([pil], square, 48))
         points = self._landmarks(square, marks)[0]
         return DetectedFace(box=_regress(square, reg)[0], score=float(prob[0]), landmarks=points)
 
@@ -257,7 +257,7 @@ class MTCNNDetector:
             side *= self.scale_factor
         return scales
 
-    def _pyramid(self, pil: Image.Image) -> Iterator[tuple[float, np.ndarray]]:
+    def _pyramid(self, pil: Image.Image) -> Iterator[tuple[float, Image.Image]]:
         """(scale, level) of P-Net's image pyramid, largest first.
 
         Each level is a BOX (area-average) resize of the smallest image already made, the photo
@@ -271,7 +271,7 @@ class MTCNNDetector:
         for scale in self._scales(height, width):
             size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
             source = pil
-            if self.pyramid_oversampling is not None and width * height >= PYRAMID_CASCADE_MIN_PIXELS:
+            if self._cascades(pil):
                 for candidate in reversed(sources):
                     if candidate.size[0] >= self.pyramid_oversampling * size[0] and (
                         candidate.size[1] >= self.pyramid_oversampling * size[1]
@@ -280,14 +280,25 @@ class MTCNNDetector:
                         break
             level = source.resize(size, Image.Resampling.BOX)
             sources.append(level)
-            yield scale, np.asarray(level)
+            yield scale, level
 
-    def _stage_pnet(self, pils: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
-        all_boxes, all_groups = [], []
+    def _cascades(self, pil: Image.Image) -> bool:
+        """Whether the pyramid levels of this photo are made from each other (and crops cut from them)."""
+        return (
+            self.pyramid_oversampling is not None and pil.size[0] * pil.size[1] >= PYRAMID_CASCADE_MIN_PIXELS
+        )
+
+    def _stage_pnet(self, pils: list[Image.Image]) -> tuple[np.ndarray, np.ndarray, list[list[Image.Image]]]:
+        """P-Net's candidate boxes, their photo, and per photo the images its crops may be cut from
+        (the photo, and its pyramid levels when it cascades)."""
+        all_boxes, all_groups, sources = [], [], []
         for group, pil in enumerate(pils):
             per_scale = []
+            sources.append([pil])
             for scale, level in self._pyramid(pil):
-                prob, reg = self.pnet.run(None, {"image": _normalize(level[None])})
+                if self._cascades(pil):
+                    sources[-1].append(level)
+                prob, reg = self.pnet.run(None, {"image": _normalize(np.asarray(level)[None])})
                 found = self._pnet_boxes(prob[0], reg[0], scale)
                 if len(found):
                     per_scale.append(found[nms(found[:, :4], found[:, 4], self.nms_thresholds[0])])
@@ -297,10 +308,10 @@ class MTCNNDetector:
                 all_boxes.append(boxes)
                 all_groups.append(np.full(len(boxes), group))
         if not all_boxes:
-            return np.zeros((0, 5)), np.zeros(0, dtype=np.int64)
+            return np.zeros((0, 5)), np.zeros(0, dtype=np.int64), sources
         boxes = np.concatenate(all_boxes)
         refined = _square(_regress(boxes[:, :4], boxes[:, 5:9], inclusive=False))
-        return np.concatenate([refined, boxes[:, 4:5]], axis=1), np.concatenate(all_groups)
+        return np.concatenate([refined, boxes[:, 4:5]], axis=1), np.concatenate(all_groups), sources
 
     def _pnet_boxes(self, prob: np.ndarray, reg: np.ndarray, scale: float) -> np.ndarray:
         """Candidate windows of one pyramid level: rows ``x1, y1, x2, y2, score, reg(4)``."""
@@ -315,20 +326,40 @@ class MTCNNDetector:
         y2 = np.floor((stride * ys + cell) / scale) - 1
         return np.column_stack([x1, y1, x2, y2, prob[ys, xs], reg[:, ys, xs].T])
 
-    @staticmethod
-    def _crops(pil: Image.Image, boxes: np.ndarray, size: int) -> np.ndarray:
-        """Cut integer boxes (zero-padded outside the photo) and resize them to ``size``."""
+    def _crops(self, sources: list[Image.Image], boxes: np.ndarray, size: int) -> np.ndarray:
+        """Cut integer boxes (zero-padded outside the photo) and resize them to ``size``.
+
+        ``sources`` is the photo, then smaller copies of it (pyramid levels, largest first): a box
+        inside the photo is resampled from the smallest copy that still has
+        :data:`PYRAMID_OVERSAMPLING` pixels per output pixel on each side (a 400-pixel face cut
+        for R-Net's 24 pixels reads 72x72 pixels, not 400x400); boxes that cross the border, and
+        every box when ``sources`` is the photo alone, are cut from the photo as before."""
+        photo = sources[0]
+        width, height = photo.size
+        needed = (self.pyramid_oversampling or 0.0) * size
         out = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
         for i, (x1, y1, x2, y2) in enumerate(np.trunc(boxes[:, :4]).astype(np.int64)):
-            region = pil.crop((int(x1), int(y1), int(x2) + 1, int(y2) + 1))
-            out[i] = np.asarray(region.resize((size, size), Image.Resampling.BOX))
+            side = min(x2 - x1, y2 - y1) + 1
+            source = photo
+            if len(sources) > 1 and x1 >= 0 and y1 >= 0 and x2 < width and y2 < height:
+                for level in reversed(sources[1:]):
+                    if side * level.size[0] / width >= needed and side * level.size[1] / height >= needed:
+                        source = level
+                        break
+            if source is photo:
+                region = photo.crop((int(x1), int(y1), int(x2) + 1, int(y2) + 1))
+                out[i] = np.asarray(region.resize((size, size), Image.Resampling.BOX))
+            else:
+                rx, ry = source.size[0] / width, source.size[1] / height
+                area = (x1 * rx, y1 * ry, (x2 + 1) * rx, (y2 + 1) * ry)
+                out[i] = np.asarray(source.resize((size, size), Image.Resampling.BOX, box=area))
         return out
 
-    def _crops_all(self, pils: list[Image.Image], boxes: np.ndarray, groups: np.ndarray, size: int):
+    def _crops_all(self, sources: list[list[Image.Image]], boxes: np.ndarray, groups: np.ndarray, size: int):
         crops = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
         for group in np.unique(groups):
             idx = np.nonzero(groups == group)[0]
-            crops[idx] = self._crops(pils[group], boxes[idx], size)
+            crops[idx] = self._crops(sources[group], boxes[idx], size)
         return crops
 
     @staticmethod
@@ -339,11 +370,11 @@ class MTCNNDetector:
         ]
         return [np.concatenate(parts) for parts in zip(*outs, strict=True)]
 
-    def _stage_rnet(self, pils, boxes: np.ndarray, groups: np.ndarray):
+    def _stage_rnet(self, sources, boxes: np.ndarray, groups: np.ndarray):
         if len(boxes) == 0:
             return boxes, groups
         boxes = np.trunc(boxes)
-        prob, reg = self._run_net(self.rnet, self._crops_all(pils, boxes, groups, 24))
+        prob, reg = self._run_net(self.rnet, self._crops_all(sources, boxes, groups, 24))
         keep = prob > self.thresholds[1]
         boxes, groups, reg = boxes[keep], groups[keep], reg[keep]
         boxes[:, 4] = prob[keep]
@@ -352,11 +383,11 @@ class MTCNNDetector:
         refined = _square(_regress(boxes[:, :4], reg))
         return np.concatenate([refined, boxes[:, 4:5]], axis=1), groups
 
-    def _stage_onet(self, pils, boxes: np.ndarray, groups: np.ndarray):
+    def _stage_onet(self, sources, boxes: np.ndarray, groups: np.ndarray):
         if len(boxes) == 0:
             return boxes, groups, np.zeros((0, 5, 2))
         boxes = np.trunc(boxes)
-        prob, reg, marks = self._run_net(self.onet, self._crops_all(pils, boxes, groups, 48))
+        prob, reg, marks = self._run_net(self.onet, self._crops_all(sources, boxes, groups, 48))
         keep = prob > self.thresholds[2]
         boxes, groups, reg, marks = boxes[keep], groups[keep], reg[keep], marks[keep]
         points = self._landmarks(boxes, marks)
