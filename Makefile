@@ -145,6 +145,7 @@ prepare-celeba: $(CELEBA)/manifest.json $(CELEBA_SMALL)/manifest.json
 define export_and_megaface
 for config in $(1); do \
 	run=$(2)/$$(basename $$config .toml); \
+	test -f $$run/summary.json || { echo "$$run stopped before its end (see its log): not exported"; continue; }; \
 	test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
 	test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
 		--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
