@@ -358,9 +358,9 @@ def test_a_run_whose_features_collapse_stops_with_a_clear_message(tiny_prepared,
     stopped = int(re.search(r"at step (\d+)", str(caught.value)).group(1))
     with (tmp_path / "collapse" / "log.csv").open() as handle:
         norms = [float(r["feature_norm"]) for r in csv.DictReader(handle)]
-    # Every logged interval was healthy; the collapsing one stopped the run before its log line.
-    assert stopped < 20 and len(norms) == stopped - 1
-    assert all(n >= 0.5 * norms[0] for n in norms)
+    # Every logged interval before it was healthy; the collapsing one is the log's last line.
+    assert stopped < 20 and len(norms) == stopped
+    assert all(n >= 0.5 * norms[0] for n in norms[:-1]) and norms[-1] < 0.5 * norms[0]
     # The same run with the check off trains on.
     unchecked = [*overrides[:-1], "feature_norm_collapse=0", "name=unchecked", "steps=3"]
     assert train(load_config(None, unchecked), progress=False).steps == 3

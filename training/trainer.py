@@ -808,7 +808,12 @@ def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, i
         "images_per_s": stats.images * run.ctx.world_size / max(now - stats.started, 1e-9),
         "elapsed_s": now - started,
     }
-    _check_health(run, done, metrics)
+    try:
+        _check_health(run, done, metrics)
+    except (FloatingPointError, FeatureCollapseError):
+        if run.csv_log is not None:  # the interval that stopped the run, for its curves and tables
+            run.csv_log.write(metrics)
+        raise
     every = run.config.lfw_every
     if run.lfw_check is not None and (is_last or (every and done % every == 0)):
         lfw = run.lfw_check(run.model.net, full=is_last)
