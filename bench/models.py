@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             f"genuine accepted {r['genuine_accepted']}/{r['genuine']}, impostors rejected "
             f"{r['impostor_rejected']}/{r['impostor']}"
         )
-        print(f"{name:18} {r['model_id']:34} {latency}  {decisions} (cosine >= {r['threshold']:.3f})")
+        rule = "no calibrated threshold" if r["threshold"] is None else f"cosine >= {r['threshold']:.3f}"
+        print(f"{name:18} {r['model_id']:34} {latency}  {decisions} ({rule})")
     if args.json:
         write_json(args.json, report)
     return 0
