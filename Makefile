@@ -182,11 +182,11 @@ opt-table: prepare-celeba
 bench-opt: install
 	$(BIN)/python bench/opt.py --json docs/results/bench_opt.json
 
-# docs/hyperspherical.md: 30 CIFAR-10 runs of SphereNet's claims (1 to 10 minutes each on one core,
-# two at a time) and two SphereFace-4 runs on the CelebA sets (SphereConv, and its convolutional
-# control; about 35 minutes each), exported and evaluated on LFW and MegaFace local-v1, then the
-# tables and curves. About 2 hours on two cores.
-# Finished runs are kept.
+# docs/hyperspherical.md: 34 CIFAR-10 runs of SphereNet's claims (0.5 to 8 minutes each on one core,
+# two at a time) and three SphereFace-4 runs on the CelebA sets (SphereConv at lr 0.1 and 0.025, and
+# its convolutional control; about 35 minutes each), exported and evaluated on LFW and MegaFace
+# local-v1, then the tables and curves. About 1 h 45 min on two cores (measured 2026-11-25).
+# Finished runs are kept (a face run stopped by the collapse check is trained again).
 hyperspherical-table: prepare-celeba
 	printf '%s\n' $(HS_CONFIGS) $(HS_FACES) | xargs -P 2 -I{} sh -c \
 		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/hyperspherical -name summary.json -path "*/$$run/*")" \
