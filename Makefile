@@ -145,7 +145,7 @@ prepare-celeba: $(CELEBA)/manifest.json $(CELEBA_SMALL)/manifest.json
 define export_and_megaface
 for config in $(1); do \
 	run=$(2)/$$(basename $$config .toml); \
-	test -f $$run/summary.json || { echo "$$run stopped before its end (see its log): not exported"; continue; }; \
+	test -f $$run/summary.json || { echo "$$run stopped before its end (see $$run/stopped.json): not exported"; continue; }; \
 	test -f $$run/model/manifest.json || $(BIN)/sphereface export $$run --out $$run/model || exit 1; \
 	test -f $$run/megaface_local.json || $(BIN)/sphereface evaluate megaface --model $$run/model \
 		--protocol local --data $(SHARED)/data --json $$run/megaface_local.json || exit 1; \
@@ -186,10 +186,10 @@ bench-opt: install
 # two at a time) and three SphereFace-4 runs on the CelebA sets (SphereConv at lr 0.1 and 0.025, and
 # its convolutional control; about 35 minutes each), exported and evaluated on LFW and MegaFace
 # local-v1, then the tables and curves. About 1 h 45 min on two cores (measured 2026-11-25).
-# Finished runs are kept (a face run stopped by the collapse check is trained again).
+# Finished runs are kept, and so are runs the trainer stopped (stopped.json: a NaN loss or collapsed features).
 hyperspherical-table: prepare-celeba
 	printf '%s\n' $(HS_CONFIGS) $(HS_FACES) | xargs -P 2 -I{} sh -c \
-		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/hyperspherical -name summary.json -path "*/$$run/*")" \
+		'run=$$(sed -n "s/^name = \"\(.*\)\"/\1/p" {}); test -n "$$(find runs/hyperspherical \( -name summary.json -o -name stopped.json \) -path "*/$$run/*")" \
 		|| OMP_NUM_THREADS=1 $(BIN)/sphereface train {} --no-progress'
 	$(call export_and_megaface,$(HS_FACES),runs/hyperspherical)
 	$(BIN)/python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results

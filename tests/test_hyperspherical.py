@@ -648,3 +648,9 @@ def test_the_face_table_takes_missing_baselines_from_the_committed_loss_table(tm
     rows = face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None)
     assert rows[0]["collapsed"] is False
     assert "| sphereconv (angular = cosine), unfinished at step 100 | 0.025 |" in faces_markdown(rows)
+    # the trainer's stopped.json decides, whatever the last logged row says
+    record = {"step": 150, "reason": "FeatureCollapseError", "message": "the features collapsed at step 150"}
+    (stopped / "stopped.json").write_text(json.dumps(record))
+    rows = face_rows(tmp_path / "runs", tmp_path / "no_baseline_runs", None)
+    assert rows[0]["collapsed"] is True and rows[0]["stopped_at"] == 150
+    assert rows[0]["stop_message"] == record["message"]

@@ -361,6 +361,9 @@ def test_a_run_whose_features_collapse_stops_with_a_clear_message(tiny_prepared,
     # Every logged interval before it was healthy; the collapsing one is the log's last line.
     assert stopped < 20 and len(norms) == stopped
     assert all(n >= 0.5 * norms[0] for n in norms[:-1]) and norms[-1] < 0.5 * norms[0]
+    record = json.loads((tmp_path / "collapse" / "stopped.json").read_text())
+    assert record["step"] == stopped and record["reason"] == "FeatureCollapseError"
+    assert record["message"] == str(caught.value)
     # The same run with the check off trains on.
     unchecked = [*overrides[:-1], "feature_norm_collapse=0", "name=unchecked", "steps=3"]
     assert train(load_config(None, unchecked), progress=False).steps == 3

@@ -266,17 +266,24 @@ def face_method_label(config: dict[str, Any]) -> str:
 
 
 def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
-    """A run without a summary: its last log row, no LFW. ``collapsed`` when its last feature norm is
-    under the trainer's collapse threshold (the run was stopped); otherwise it is unfinished."""
-    from training.trainer import read_log
+    """A run without a summary: its last log row, no LFW. ``collapsed`` when the trainer stopped it
+    on collapsed features (its ``stopped.json``), or, for runs older than that record, when its
+    last logged feature norm is under the collapse threshold; otherwise it is unfinished."""
+    from training.trainer import STOPPED_NAME, read_log
 
     config = tomllib.loads((run / "config.toml").read_text())
     cols = read_log(run / "log.csv")
+    stopped = json.loads((run / STOPPED_NAME).read_text()) if (run / STOPPED_NAME).is_file() else None
+    collapsed = bool(
+        cols["feature_norm"][-1] < config.get("feature_norm_collapse", 0.02) * cols["feature_norm"][0]
+    )
+    if stopped is not None:
+        collapsed = stopped["reason"] == "FeatureCollapseError"
     return {
         "run": str(run),
         "name": config["name"],
         "source": "run",
-        "stopped_at": int(cols["step"][-1]),
+        "stopped_at": int(stopped["step"] if stopped is not None else cols["step"][-1]),
         "lr": config["lr"],
         "method": face_method_label(config),
         "operator": config.get("operator", "conv"),
@@ -287,9 +294,8 @@ def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
         "final_train_accuracy": float(cols["accuracy"][-1]),
         "final_feature_norm": float(cols["feature_norm"][-1]),
         "final_loss": float(cols["loss"][-1]),
-        "collapsed": bool(
-            cols["feature_norm"][-1] < config.get("feature_norm_collapse", 0.02) * cols["feature_norm"][0]
-        ),
+        "collapsed": collapsed,
+        "stop_message": None if stopped is None else stopped["message"],
         "images_per_s": float(np.nanmean(cols["images_per_s"])),
     }
 

@@ -54,6 +54,8 @@ from training.config import ConfigError, TrainConfig
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "checkpoint.pt"
+#: Written when a run stops early on a NaN loss or collapsed features: step, reason, message.
+STOPPED_NAME = "stopped.json"
 LOG_COLUMNS = (
     "step", "epoch", "loss", "accuracy", "lambda", "mhe", "feature_norm", "lr", "images_per_s",
     "lfw_accuracy", "lfw_std", "elapsed_s",
@@ -810,9 +812,12 @@ def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, i
     }
     try:
         _check_health(run, done, metrics)
-    except (FloatingPointError, FeatureCollapseError):
+    except (FloatingPointError, FeatureCollapseError) as exc:
         if run.csv_log is not None:  # the interval that stopped the run, for its curves and tables
             run.csv_log.write(metrics)
+        if run.ctx.is_main:
+            stopped = {"step": done, "reason": type(exc).__name__, "message": str(exc)}
+            (run.config.run_dir / STOPPED_NAME).write_text(json.dumps(stopped, indent=2) + "\n")
         raise
     every = run.config.lfw_every
     if run.lfw_check is not None and (is_last or (every and done % every == 0)):
