@@ -268,10 +268,11 @@ class MTCNNDetector:
         """
         width, height = pil.size
         sources = [pil]  # largest first
+        cascades = self._cascades(pil)
         for scale in self._scales(height, width):
             size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
             source = pil
-            if self._cascades(pil):
+            if cascades:
                 for candidate in reversed(sources):
                     if candidate.size[0] >= self.pyramid_oversampling * size[0] and (
                         candidate.size[1] >= self.pyramid_oversampling * size[1]
@@ -295,8 +296,9 @@ class MTCNNDetector:
         for group, pil in enumerate(pils):
             per_scale = []
             sources.append([pil])
+            keep_levels = self._cascades(pil)
             for scale, level in self._pyramid(pil):
-                if self._cascades(pil):
+                if keep_levels:
                     sources[-1].append(level)
                 prob, reg = self.pnet.run(None, {"image": _normalize(np.asarray(level)[None])})
                 found = self._pnet_boxes(prob[0], reg[0], scale)

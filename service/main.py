@@ -18,9 +18,7 @@ from pathlib import Path
 
 import redis
 
-from service.gallery.snapshot import default_root as default_snapshot_root
-from service.gallery.snapshot import remove_root as remove_snapshot_root
-from service.gallery.snapshot import remove_stale_roots as remove_stale_snapshot_roots
+from service.gallery import snapshot
 from service.logs import uvicorn_log_config
 from service.settings import Settings
 
@@ -126,9 +124,9 @@ def serve(
         # They share the gallery's vectors through snapshots in /dev/shm (removed at exit).
         own_snapshots = None
         if settings.gallery_snapshots is None and settings.search == "numpy":
-            for stale in remove_stale_snapshot_roots():
+            for stale in snapshot.remove_stale_roots():
                 log.info("removed %s, left by a service that did not stop cleanly", stale)
-            own_snapshots = default_snapshot_root(settings.workers)
+            own_snapshots = snapshot.default_root(settings.workers)
             if own_snapshots is not None:
                 overrides["gallery_snapshots"] = str(own_snapshots)
         for key, value in {**overrides, "redis_url": url}.items():
@@ -149,7 +147,7 @@ def serve(
             )
         finally:
             if own_snapshots is not None:
-                remove_snapshot_root(own_snapshots)
+                snapshot.remove_root(own_snapshots)
     return 0
 
 

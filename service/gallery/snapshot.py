@@ -68,7 +68,7 @@ class SnapshotMeta:
 
     @property
     def stem(self) -> str:
-        return f"rev-{self.revision:012d}"
+        return snapshot_stem(self.revision)
 
 
 @dataclass
@@ -114,6 +114,44 @@ class MappedIds:
 
     def __contains__(self, face_id: str) -> bool:
         return self.get(face_id) is not None
+
+
+def snapshot_stem(revision: int) -> str:
+    """The file name stem of the snapshot of ``revision``: ``rev-<12 digits>`` (sorts by revision)."""
+    return f"rev-{revision:012d}"
+
+
+def _fill(
+    vectors: np.ndarray,
+    codes: np.ndarray | None,
+    chunks: Iterable[tuple[Sequence[str], Sequence[str], np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, list[str], float, float]:
+    """Copy ``chunks`` into ``vectors`` (and their int8 codes into ``codes``); returns the face ids
+    (fixed-width bytes), the subject code of every row, the subject names, and the int8 bound's
+    largest residual and row norm."""
+    faces = len(vectors)
+    step = int8_scan.code_step(vectors.shape[1])
+    max_residual = max_norm = 0.0
+    row = 0
+    ids: list[str] = []
+    subjects = np.empty(faces, dtype=np.int32)
+    code_of: dict[str, int] = {}
+    for face_ids, subject_ids, part in chunks:
+        part = np.asarray(part, dtype=np.float32)
+        if row + len(part) > faces:
+            raise ValueError(f"snapshot of {faces} faces got more")
+        vectors[row : row + len(part)] = part
+        if codes is not None and len(part):
+            codes[row : row + len(part)], residual = int8_scan.quantize_rows(part, step)
+            max_residual = max(max_residual, float(residual.max()))
+            max_norm = max(max_norm, float(np.linalg.norm(part, axis=1).max()))
+        ids.extend(face_ids)
+        subjects[row : row + len(part)] = [code_of.setdefault(s, len(code_of)) for s in subject_ids]
+        row += len(part)
+    if row != faces:
+        raise ValueError(f"snapshot of {faces} faces got {row}")
+    by_row = np.array([face.encode() for face in ids], dtype=bytes) if ids else np.zeros(0, "S1")
+    return by_row, subjects, list(code_of), max_residual, max_norm
 
 
 def allocate_npy(path: Path, dtype: type, shape: tuple[int, int]) -> np.ndarray:
@@ -211,11 +249,47 @@ class SnapshotFolder:
     ) -> SnapshotMeta:
         """Write a snapshot of ``faces`` rows given in ``chunks`` of (face ids, subject ids,
         float32 vectors); the caller holds :meth:`lock`. Then unlink all but the newest KEEP."""
-        stem = f"rev-{revision:012d}"
+        stem = snapshot_stem(revision)
         base, tmp = self.path / stem, f".tmp-{os.getpid()}"
         self.path.mkdir(parents=True, exist_ok=True)
+        with self._removed_on_error(stem, tmp):
+            vectors = allocate_npy(Path(f"{base}.vectors{tmp}"), np.float32, (faces, dim))
+            codes = allocate_npy(Path(f"{base}.codes{tmp}"), np.uint8, (faces, dim)) if with_codes else None
+            ids, subjects, names, max_residual, max_norm = _fill(vectors, codes, chunks)
+            order = np.argsort(ids, kind="stable")
+            small = {"ids": ids, "sorted_ids": ids[order], "order": order, "subjects": subjects}
+            for name, array in small.items():
+                with open(f"{base}.{name}{tmp}", "wb") as f:
+                    np.save(f, array, allow_pickle=False)
+            Path(f"{base}.subject_names{tmp}").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+            for array in (vectors, codes):
+                if isinstance(array, np.memmap):
+                    array.flush()
+            for name in ("vectors", "codes", *small):
+                if name != "codes" or codes is not None:
+                    os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
+            os.replace(f"{base}.subject_names{tmp}", f"{base}.subject_names.txt")
+            meta = SnapshotMeta(
+                self.model_id,
+                self.epoch,
+                revision,
+                last_entry,
+                faces,
+                dim,
+                with_codes,
+                max_residual,
+                max_norm,
+            )
+            Path(f"{base}.json{tmp}").write_text(json.dumps(asdict(meta)))
+            os.replace(f"{base}.json{tmp}", f"{base}.json")  # the snapshot exists from here on
+        self._prune()
+        return meta
+
+    @contextlib.contextmanager
+    def _removed_on_error(self, stem: str, tmp: str) -> Iterator[None]:
+        """Unlink the half-written files of snapshot ``stem`` when writing it fails."""
         try:
-            return self._write(base, tmp, revision, last_entry, faces, dim, chunks, with_codes)
+            yield
         except BaseException:
             for name in os.listdir(self.path):
                 if name.startswith(stem) and name.endswith(tmp):
@@ -223,73 +297,13 @@ class SnapshotFolder:
                         os.unlink(self.path / name)
             raise
 
-    def _write(
-        self,
-        base: Path,
-        tmp: str,
-        revision: int,
-        last_entry: str,
-        faces: int,
-        dim: int,
-        chunks: Iterable[tuple[Sequence[str], Sequence[str], np.ndarray]],
-        with_codes: bool,
-    ) -> SnapshotMeta:
-        vectors = allocate_npy(Path(f"{base}.vectors{tmp}"), np.float32, (faces, dim))
-        codes = allocate_npy(Path(f"{base}.codes{tmp}"), np.uint8, (faces, dim)) if with_codes else None
-        step = int8_scan.code_step(dim)
-        max_residual = max_norm = 0.0
-        row = 0
-        all_ids: list[str] = []
-        subject_codes = np.empty(faces, dtype=np.int32)
-        subject_code: dict[str, int] = {}
-        for face_ids, subject_ids, part in chunks:
-            part = np.asarray(part, dtype=np.float32)
-            if row + len(part) > faces:
-                raise ValueError(f"snapshot of {faces} faces got more")
-            vectors[row : row + len(part)] = part
-            if codes is not None and len(part):
-                codes[row : row + len(part)], residual = int8_scan.quantize_rows(part, step)
-                max_residual = max(max_residual, float(residual.max()))
-                max_norm = max(max_norm, float(np.linalg.norm(part, axis=1).max()))
-            all_ids.extend(face_ids)
-            subject_codes[row : row + len(part)] = [
-                subject_code.setdefault(s, len(subject_code)) for s in subject_ids
-            ]
-            row += len(part)
-        if row != faces:
-            raise ValueError(f"snapshot of {faces} faces got {row}")
-        by_row = np.array([face.encode() for face in all_ids], dtype=bytes) if all_ids else np.zeros(0, "S1")
-        order = np.argsort(by_row, kind="stable")
-        small = {"ids": by_row, "sorted_ids": by_row[order], "order": order, "subjects": subject_codes}
-        for name, array in small.items():
-            with open(f"{base}.{name}{tmp}", "wb") as f:
-                np.save(f, array, allow_pickle=False)
-        Path(f"{base}.subject_names{tmp}").write_text(
-            "".join(f"{n}\n" for n in subject_code), encoding="utf-8"
-        )
-        for array in (vectors, codes):
-            if isinstance(array, np.memmap):
-                array.flush()
-        for name in ("vectors", "codes", *small):
-            if name != "codes" or codes is not None:
-                os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
-        os.replace(f"{base}.subject_names{tmp}", f"{base}.subject_names.txt")
-        meta = SnapshotMeta(
-            self.model_id, self.epoch, revision, last_entry, faces, dim, with_codes, max_residual, max_norm
-        )
-        Path(f"{base}.json{tmp}").write_text(json.dumps(asdict(meta)))
-        os.replace(f"{base}.json{tmp}", f"{base}.json")
-        self._prune()
-        return meta
-
     def _prune(self) -> None:
         """Unlink all but the newest KEEP snapshots, and files a crashed writer left."""
         names = os.listdir(self.path)
         stems = sorted({p.split(".", 1)[0] for p in names if p.startswith("rev-") and p.endswith(".json")})
         keep = set(stems[-KEEP:])
-        mine = f".tmp-{os.getpid()}"
         for name in names:
-            if name.startswith("rev-") and name.split(".", 1)[0] not in keep and not name.endswith(mine):
+            if name.startswith("rev-") and name.split(".", 1)[0] not in keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path / name)
 
