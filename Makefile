@@ -66,7 +66,8 @@ install-browser:
 
 # The reference MobileFaceNet (from ../shared/data; never shipped) as an ONNX model folder, with its
 # LFW accuracy and its cosine thresholds calibrated on every pair of LFW's photos (minutes, once).
-$(REF_MODEL)/model.onnx: | install
+# Imported again when the ONNX export changes (models/onnx_export.py).
+$(REF_MODEL)/model.onnx: models/onnx_export.py | install
 	$(BIN)/sphereface import mobilefacenet $(SHARED)/data/reference_models/mobilefacenet_casia/068.ckpt --out $(REF_MODEL)
 
 $(REF_MODEL)/lfw_detect.json: $(REF_MODEL)/model.onnx

@@ -81,6 +81,10 @@ def test_bad_configs_get_clear_errors(tmp_path):
         load_config(None, ["network=resnet50"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="log_every must be positive"):
+        load_config(None, ["log_every=0"])
+    with pytest.raises(ConfigError, match="checkpoint_every must be >= 0"):
+        load_config(None, ["checkpoint_every=-1"])
     loop = tmp_path / "a.toml"
     loop.write_text('base = "a.toml"\n')
     with pytest.raises(ConfigError, match="loops"):
@@ -309,16 +313,17 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
 
 
 @pytest.mark.shared_data
-@pytest.mark.parametrize("loader", ["device", "stream"])
+@pytest.mark.parametrize(("loader", "checkpoint_every"), [("device", 5), ("stream", 0)])
 def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
-    tiny_prepared, tmp_path, loader
+    tiny_prepared, tmp_path, loader, checkpoint_every
 ):
     from training.trainer import train
 
     # 6 steps of batch 8 cross an epoch boundary of the 2-identity set; flips, hidden MHE's random
     # neurons and the optimizer's momentum all carry over. The break (step 4) is not a multiple of
-    # checkpoint_every, so the stop itself must checkpoint.
-    extra = ("steps=6", "checkpoint_every=5", f"loader={loader}", "hidden_mhe_weight=0.1", "head=asoftmax")
+    # checkpoint_every (0: checkpoints only at the end and at the stop), so the stop itself must
+    # checkpoint.
+    extra = ("steps=6", f"checkpoint_every={checkpoint_every}", f"loader={loader}", "hidden_mhe_weight=0.1", "head=asoftmax")
     whole = train(
         load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "whole", *extra)), progress=False
     )
@@ -459,13 +464,18 @@ def test_loss_table_reads_finished_runs_in_paper_order_with_megaface_rank1(tmp_p
         run("arc", "arcface", {"scale": 30.0, "margin": 0.5}, 0, 0.81, None),
         run("m4s1", "asoftmax", {"m": 4}, 1, 0.83, 0.25),
         run("soft", "softmax", {}, 0, 0.80, 0.125),
+        run("plus10", "sphereface_plus", {"m": 4, "mhe_weight": 10.0}, 0, 0.82, 0.2),
+        run("plus01", "sphereface_plus", {"m": 4, "mhe_weight": 0.1}, 0, 0.82, 0.2),
     ])  # fmt: skip
-    assert [r["loss"] for r in rows] == ["softmax", "A-Softmax m = 4, seed 1", "ArcFace (s = 30, m = 0.5)"]
+    assert [r["loss"] for r in rows] == [
+        "softmax", "A-Softmax m = 4, seed 1", "SphereFace+ (m = 4, MHE weight 0.1)",
+        "SphereFace+ (m = 4, MHE weight 10.0)", "ArcFace (s = 30, m = 0.5)",
+    ]  # fmt: skip
     assert rows[1]["megaface_local_rank1"] == 0.25 and rows[1]["megaface_distractors"] == 10318
     table = markdown(rows).splitlines()
     assert table[3].startswith("| A-Softmax m = 4, seed 1 | 83.00 ± 1.00 | 25.00 | 0.3000 |")
     assert table[3].endswith("| 90.0 | 21.5 |")
-    assert "| – |" in table[4]  # no MegaFace report for the ArcFace run
+    assert "| – |" in table[6]  # no MegaFace report for the ArcFace run
     (tmp_path / "unfinished").mkdir()
     with pytest.raises(FileNotFoundError, match="has not finished"):
         collect([tmp_path / "unfinished"])

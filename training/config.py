@@ -120,6 +120,7 @@ class TrainConfig:
     #: Landmarks aligning LFW for that check: ``detect`` (our MTCNN, as the training data and the
     #: service) or ``file`` (landmarks.txt). One source of landmarks per comparison.
     lfw_landmarks: str = "detect"
+    #: 0: only at the end.
     lfw_every: int = 2000
     #: Pairs per fold for the periodic check (None: all 600); the final check always uses all.
     lfw_pairs_per_fold: int | None = None
@@ -128,6 +129,7 @@ class TrainConfig:
     #: fraction of the first interval's (the collapse of docs/training.md §6: loss -> ln C,
     #: accuracy -> 0); 0 turns the check off.
     feature_norm_collapse: float = 0.02
+    #: 0: only at the end (and at ``--until-step``).
     checkpoint_every: int = 1000
     #: Start from this checkpoint's network (and head, when the class count matches): fine-tuning,
     #: e.g. SphereFace+ from a trained SphereFace model as the papers do.
@@ -157,6 +159,9 @@ class TrainConfig:
             (self.head in HEADS, f"head must be one of {HEADS}, not {self.head!r}"),
             (self.batch_size > 0, "batch_size must be positive"),
             (self.steps > 0, "steps must be positive"),
+            (self.log_every > 0, "log_every must be positive"),
+            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: only at the end)"),
+            (self.lfw_every >= 0, "lfw_every must be >= 0 (0: only at the end)"),
             (self.lr > 0, "lr must be positive"),
             (self.precision in ("auto", "bf16", "fp32"), "precision must be auto, bf16 or fp32"),
             (self.loader in ("auto", "device", "stream"), "loader must be auto, device or stream"),

@@ -61,14 +61,17 @@ def _head_label(summary: dict[str, Any]) -> str:
     return head
 
 
-def _order_key(summary: dict[str, Any]) -> int:
-    """Paper order; fine-tuned runs after the runs trained from scratch."""
-    key = (summary["head"], summary.get("head_options", {}).get("m"))
+def _order_key(summary: dict[str, Any]) -> tuple[int, float]:
+    """Paper order, SphereFace+ by rising MHE weight; fine-tuned runs after the runs trained from
+    scratch."""
+    options = summary.get("head_options", {})
+    key = (summary["head"], options.get("m"))
     offset = len(ORDER) + 1 if summary.get("init_from") else 0
+    mhe_weight = float(options.get("mhe_weight", 0.0))
     for i, (head, m) in enumerate(ORDER):
         if key[0] == head and (m is None or key[1] == m):
-            return offset + i
-    return offset + len(ORDER)
+            return offset + i, mhe_weight
+    return offset + len(ORDER), mhe_weight
 
 
 #: Written into a run folder by ``make loss-table``: ``sphereface evaluate megaface --protocol local``.

@@ -795,6 +795,11 @@ def _check_health(run: _Run, done: int, metrics: dict[str, Any]) -> None:
         )
 
 
+def _every(done: int, interval: int) -> bool:
+    """Whether step ``done`` ends an interval of ``interval`` steps (0: no intervals)."""
+    return interval > 0 and done % interval == 0
+
+
 def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, is_last: bool) -> dict:
     means = stats.means(run.ctx)
     now = time.perf_counter()
@@ -819,8 +824,7 @@ def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, i
             stopped = {"step": done, "reason": type(exc).__name__, "message": str(exc)}
             (run.config.run_dir / STOPPED_NAME).write_text(json.dumps(stopped, indent=2) + "\n")
         raise
-    every = run.config.lfw_every
-    if run.lfw_check is not None and (is_last or (every and done % every == 0)):
+    if run.lfw_check is not None and (is_last or _every(done, run.config.lfw_every)):
         lfw = run.lfw_check(run.model.net, full=is_last)
         metrics["lfw_accuracy"], metrics["lfw_std"] = lfw["accuracy"], lfw["std"]
         metrics["lfw"] = lfw
@@ -881,7 +885,7 @@ def _train_loop(run: _Run, until: int, progress: bool) -> _LoopResult:
                 bar.set_postfix(_postfix(metrics, last_lfw))
                 stats = _IntervalStats()
             bar.update(1)
-            if done % config.checkpoint_every == 0 or done == until:
+            if _every(done, config.checkpoint_every) or done == until:
                 _save_run_checkpoint(run, done, metrics)
     finally:
         bar.close()
