@@ -240,3 +240,48 @@ def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos
             diffs.append(np.abs(partner.landmarks - face.landmarks).max() / (face.box[2] - face.box[0]))
     assert large >= 5
     assert max(diffs) < 0.05 and np.median(diffs) < 0.02, diffs
+
+
+@pytest.mark.parametrize("name", ["pnet", "rnet"])
+def test_padding_the_first_block_to_the_channel_block_keeps_the_outputs(name):
+    torch = pytest.importorskip("torch")
+    from models.mtcnn_convert import NCHWC_BLOCK, pad_first_block_for_nchwc
+    from models.nets.mtcnn import PNet, RNet
+
+    torch.manual_seed(0)
+    net = {"pnet": PNet, "rnet": RNet}[name]().eval()
+    with torch.no_grad():  # slopes away from PReLU's 0.25 default, so a lost slope shows
+        net.prelu1.weight.uniform_(-0.5, 1.5)
+    padded = pad_first_block_for_nchwc(net)
+    assert padded.conv1.out_channels % NCHWC_BLOCK == 0 and padded.conv1.out_channels > net.conv1.out_channels
+    assert padded.conv2.in_channels == padded.conv1.out_channels
+    x = torch.rand((3, 3, 37, 45) if name == "pnet" else (5, 3, 24, 24)) * 2 - 1
+    with torch.no_grad():
+        for a, b in zip(net(x), padded(x), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["pnet", "rnet", "onet"])
+def test_shipped_networks_run_in_onnx_runtimes_blocked_layout(name, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    from models.mtcnn_convert import DEFAULT_MTCNN_DIR
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+    ort.InferenceSession(str(DEFAULT_MTCNN_DIR / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
+    nodes = onnx.load(options.optimized_model_filepath).graph.node
+    convs = [n for n in nodes if n.op_type == "Conv"]
+    if not any(n.domain.endswith("nchwc") for n in nodes):
+        pytest.skip("this CPU has no NCHWc kernels in ONNX Runtime (x86 with AVX2 or later has)")
+    # Every convolution (the PReLU BatchNorms included) and pooling runs blocked; the only
+    # reorders are back to NCHW for the heads (P-Net) or the flatten (R-Net, O-Net), after which
+    # the dense layers' PReLUs stay plain BatchNorms on (N, C).
+    assert all(n.domain.endswith("nchwc") for n in convs), [n.name for n in convs if not n.domain]
+    first_reorder = next(i for i, n in enumerate(nodes) if n.op_type == "ReorderOutput")
+    convolutional = nodes[:first_reorder]
+    assert not any(n.op_type in ("MaxPool", "BatchNormalization", "Mul", "Clip") and not n.domain for n in convolutional)
+    assert sum(n.op_type == "ReorderInput" for n in nodes) == 0
+    assert sum(n.op_type == "ReorderOutput" for n in nodes) <= 2
