@@ -19,7 +19,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-verify-default bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -235,6 +235,13 @@ bench: install models
 bench-service: install models
 	$(BIN)/python bench/service.py --json docs/results/bench_service.json
 	$(BIN)/python bench/models.py --models default,sphereface_celeba,$(REF_MODEL) --json docs/results/bench_models.json
+	$(MAKE) bench-verify-default
+
+# /v1/verify of the default model (dlib's ResNet) against facenet-pytorch + PyTorch eager running the
+# same network rebuilt from dlib's file (about 3 minutes).
+bench-verify-default: install
+	$(BIN)/python bench/service.py --parts verify --model models/dlib_resnet_v1 \
+		--json docs/results/bench_service_verify_default.json
 
 # Exact search at 1M and 10M faces: float32 against the int8 scan with exact re-rank, 5 interleaved
 # rounds (about 3 minutes, 16 GB of memory at 10M; docs/service.md "Search at 10M faces").

@@ -696,6 +696,10 @@ def bench_detector(
 # (b) embedder
 
 
+#: ``architecture`` in the manifest of the dlib model (``sphereface import dlib``).
+DLIB_ARCHITECTURE = "dlib_resnet29"
+
+
 def ensure_model(model_dir: Path, checkpoint: Path) -> bool:
     """Import the checkpoint into ``model_dir`` when it is not a model folder yet; True if imported."""
     if (model_dir / MANIFEST_NAME).is_file() and (model_dir / MODEL_NAME).is_file():
@@ -715,6 +719,22 @@ def load_torch_net(checkpoint: Path):
     if state and all(k.startswith("module.") for k in state):
         state = {k[len("module.") :]: v for k, v in state.items()}
     return load_mobilefacenet(state).eval()
+
+
+def load_torch_baseline(model_dir: Path, checkpoint: Path):
+    """The PyTorch network behind a model folder, for the eager baseline: dlib's ResNet rebuilt
+    from dlib's own file (``make install`` caches it) for the dlib model, else MobileFaceNet
+    from ``checkpoint``."""
+    from models.manifest import load_manifest
+
+    if load_manifest(model_dir).architecture == DLIB_ARCHITECTURE:
+        from models.dlib_format import DLIB_RESNET_FILE, parse_dlib_face_resnet
+        from models.importers import cached_dlib_file
+        from models.nets.dlib_resnet import DlibFaceResNet
+
+        path = cached_dlib_file(DLIB_RESNET_FILE)
+        return DlibFaceResNet.from_dlib(parse_dlib_face_resnet(path.read_bytes(), path.name)).eval()
+    return load_torch_net(checkpoint)
 
 
 def bench_embedder(

@@ -378,8 +378,9 @@ class HandRolledVerifier:
         self.mtcnn.eval()
         self.net = net
         self.template = get_template(manifest.template)
-        self.mean = float(np.mean(manifest.pixel_mean))
-        self.std = float(np.mean(manifest.pixel_std))
+        # Per channel (dlib's model has one mean per channel), as (1, C, 1, 1) tensors.
+        self.mean = torch.tensor(manifest.pixel_mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+        self.std = torch.tensor(manifest.pixel_std, dtype=torch.float32).reshape(1, -1, 1, 1)
         self.bgr = manifest.color_order == "BGR"
         self.fusion = manifest.flip_fusion
         self.stages: dict[str, float] = defaultdict(float)
@@ -475,7 +476,7 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
     fnp_env = fp.prepare_facenet_env(args.fnp_wheel, args.fnp_env)
     mtcnn_cls, standin = fp.load_facenet(args.fnp_env)
     imported = fp.ensure_model(args.model, args.checkpoint)
-    net = fp.load_torch_net(args.checkpoint)
+    net = fp.load_torch_baseline(args.model, args.checkpoint)
     pairs = verify_pairs(args.data / "photos" / "people", args.verify_pairs)
     n = len(pairs)
     log(f"(1) verify: {n} pairs of photos/people")
@@ -1371,9 +1372,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=2, help="ORT intra-op threads and torch threads (default 2)"
     )
     p.add_argument(
-        "--model", type=Path, default=fp.DEFAULT_MODEL, help="model folder (reference MobileFaceNet)"
+        "--model",
+        type=Path,
+        default=fp.DEFAULT_MODEL,
+        help="model folder: the reference MobileFaceNet (default) or the dlib model (models/dlib_resnet_v1), "
+        "whose PyTorch baseline is rebuilt from dlib's file",
     )
-    p.add_argument("--checkpoint", type=Path, default=None, help="its checkpoint, for the PyTorch baseline")
+    p.add_argument(
+        "--checkpoint", type=Path, default=None, help="the MobileFaceNet's checkpoint, for the PyTorch baseline"
+    )
     p.add_argument("--data", type=Path, default=fp.DEFAULT_DATA, help="shared data folder")
     p.add_argument("--verify-pairs", type=int, default=12, help="photo pairs for /v1/verify (default 12)")
     p.add_argument("--verify-repeats", type=int, default=5, help="interleaved passes over the pairs")

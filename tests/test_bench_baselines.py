@@ -1,0 +1,26 @@
+"""The benchmarks' PyTorch baselines run the same network as the model folder they compare with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO_ROOT, require_path
+
+torch = pytest.importorskip("torch")
+
+SDIST = REPO_ROOT / ".cache" / "wheels" / "face_recognition_models-0.3.0.tar.gz"
+
+
+def test_the_dlib_models_eager_baseline_is_the_served_network():
+    from bench.face_path import load_torch_baseline
+    from models.embedder import Embedder, preprocess
+
+    require_path(SDIST, "make install downloads face_recognition_models-0.3.0 into .cache/wheels")
+    model_dir = require_path(REPO_ROOT / "models" / "dlib_resnet_v1" / "model.onnx", "run `make install`").parent
+    net = load_torch_baseline(model_dir, checkpoint=REPO_ROOT / "no-checkpoint-needed.ckpt")
+    embedder = Embedder(model_dir, "cpu", intra_op_threads=1)
+    crops = np.random.default_rng(0).integers(0, 256, size=(3, 150, 150, 3), dtype=np.uint8)
+    with torch.inference_mode():
+        eager = net(torch.from_numpy(preprocess(crops, embedder.manifest))).numpy()
+    np.testing.assert_allclose(eager, embedder.raw(crops), atol=1e-4)
