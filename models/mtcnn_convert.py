@@ -55,8 +55,9 @@ NCHWC_BLOCK = 16
 
 
 def pad_first_block_for_nchwc(net, block: int = NCHWC_BLOCK):
-    """A copy of P-Net or R-Net whose ``conv1`` has its output channels padded to a multiple of
-    ``block`` with zero filters (10 -> 16, 28 -> 32), and ``conv2`` matching zero input weights.
+    """A copy of an MTCNN net whose ``conv1`` has its output channels padded to a multiple of
+    ``block`` with zero filters (P-Net 10 -> 16, R-Net 28 -> 32; O-Net's 32 stay), and ``conv2``
+    matching zero input weights.
 
     The outputs are the same numbers: a zero filter with zero bias gives 0, PReLU and max-pooling
     keep 0, and its zero weights in ``conv2`` add exactly 0. What changes is that ONNX Runtime can
@@ -93,9 +94,8 @@ def pad_first_block_for_nchwc(net, block: int = NCHWC_BLOCK):
 def convert_mtcnn(source: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write ``pnet.onnx``, ``rnet.onnx``, ``onet.onnx`` into ``out_dir`` and check each one.
 
-    P-Net gets dynamic batch, height and width axes; R-Net and O-Net a dynamic batch axis. P-Net's
-    and R-Net's first block is padded to ONNX Runtime's channel block (:func:`pad_first_block_for_nchwc`;
-    O-Net's channels are multiples of it already).
+    P-Net gets dynamic batch, height and width axes; R-Net and O-Net a dynamic batch axis. The first
+    block is padded to ONNX Runtime's channel block (:func:`pad_first_block_for_nchwc`).
     Every file is checked against the PyTorch network on random input (max abs diff < 1e-4).
     """
     import torch
@@ -125,7 +125,7 @@ def convert_mtcnn(source: str | Path, out_dir: str | Path | None = None) -> list
         net.eval()
         path = out / f"{name}.onnx"
         program = torch.onnx.export(
-            for_onnx_export(pad_first_block_for_nchwc(net) if name != "onet" else net),
+            for_onnx_export(pad_first_block_for_nchwc(net)),
             (torch.zeros(examples[name]),),
             input_names=["image"],
             output_names=_OUTPUTS[name],
