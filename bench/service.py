@@ -1379,7 +1379,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "whose PyTorch baseline is rebuilt from dlib's file",
     )
     p.add_argument(
-        "--checkpoint", type=Path, default=None, help="the MobileFaceNet's checkpoint, for the PyTorch baseline"
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="the MobileFaceNet's checkpoint, for the PyTorch baseline",
     )
     p.add_argument("--data", type=Path, default=fp.DEFAULT_DATA, help="shared data folder")
     p.add_argument("--verify-pairs", type=int, default=12, help="photo pairs for /v1/verify (default 12)")

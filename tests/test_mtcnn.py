@@ -282,6 +282,8 @@ def test_shipped_networks_run_in_onnx_runtimes_blocked_layout(name, tmp_path):
     assert all(n.domain.endswith("nchwc") for n in convs), [n.name for n in convs if not n.domain]
     first_reorder = next(i for i, n in enumerate(nodes) if n.op_type == "ReorderOutput")
     convolutional = nodes[:first_reorder]
-    assert not any(n.op_type in ("MaxPool", "BatchNormalization", "Mul", "Clip") and not n.domain for n in convolutional)
+    assert not any(
+        n.op_type in ("MaxPool", "BatchNormalization", "Mul", "Clip") and not n.domain for n in convolutional
+    )
     assert sum(n.op_type == "ReorderInput" for n in nodes) == 0
     assert sum(n.op_type == "ReorderOutput" for n in nodes) <= 2

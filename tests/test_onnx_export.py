@@ -23,7 +23,9 @@ def test_exported_prelu_form_equals_prelu_for_any_slope(num_parameters: int, sha
     generator = torch.Generator().manual_seed(0)
     prelu = torch.nn.PReLU(num_parameters)
     with torch.no_grad():  # negative, zero, fractional and steeper-than-identity slopes
-        prelu.weight.copy_(torch.linspace(-1.5, 2.0, num_parameters) if num_parameters > 1 else torch.tensor([-0.7]))
+        prelu.weight.copy_(
+            torch.linspace(-1.5, 2.0, num_parameters) if num_parameters > 1 else torch.tensor([-0.7])
+        )
     x = torch.randn(shape, generator=generator) * 3
     with torch.no_grad():
         torch.testing.assert_close(for_onnx_export(prelu)(x), prelu(x), atol=1e-6, rtol=1e-6)

@@ -323,7 +323,10 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
     # neurons and the optimizer's momentum all carry over. The break (step 4) is not a multiple of
     # checkpoint_every (0: checkpoints only at the end and at the stop), so the stop itself must
     # checkpoint.
-    extra = ("steps=6", f"checkpoint_every={checkpoint_every}", f"loader={loader}", "hidden_mhe_weight=0.1", "head=asoftmax")
+    extra = (
+        "steps=6", f"checkpoint_every={checkpoint_every}", f"loader={loader}", "hidden_mhe_weight=0.1",
+        "head=asoftmax",
+    )  # fmt: skip
     whole = train(
         load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "whole", *extra)), progress=False
     )
