@@ -348,7 +348,7 @@ def test_a_hyperspherical_network_exports_to_onnx_with_parity(operator, options,
         "Conv", "Mul", "Add", "Sqrt", "Div", "Reciprocal", "Acos", "Tanh", "Clip", "Abs", "Sign", "Sub",
         "Reshape", "Flatten", "Gemm", "MatMul", "Relu", "Max", "Min", "Neg", "PRelu", "ReduceSum", "Pow",
         "Expand", "Constant", "Cast", "Log", "Where", "LessOrEqual", "Less", "Greater", "Concat", "Shape",
-        "Slice", "Gather", "Unsqueeze", "Squeeze", "Transpose", "Identity",
+        "Slice", "Gather", "Unsqueeze", "Squeeze", "Transpose", "Identity", "BatchNormalization",
     }  # fmt: skip
 
 
