@@ -696,10 +696,6 @@ def bench_detector(
 # (b) embedder
 
 
-#: ``architecture`` in the manifest of the dlib model (``sphereface import dlib``).
-DLIB_ARCHITECTURE = "dlib_resnet29"
-
-
 def ensure_model(model_dir: Path, checkpoint: Path) -> bool:
     """Import the checkpoint into ``model_dir`` when it is not a model folder yet; True if imported."""
     if (model_dir / MANIFEST_NAME).is_file() and (model_dir / MODEL_NAME).is_file():
@@ -726,6 +722,7 @@ def load_torch_baseline(model_dir: Path, checkpoint: Path):
     from dlib's own file (``make install`` caches it) for the dlib model, else MobileFaceNet
     from ``checkpoint``."""
     from models.manifest import load_manifest
+    from models.nets.dlib_resnet import DLIB_ARCHITECTURE
 
     if load_manifest(model_dir).architecture == DLIB_ARCHITECTURE:
         from models.dlib_format import DLIB_RESNET_FILE, parse_dlib_face_resnet

@@ -294,7 +294,12 @@ def import_dlib(
             (docs/results/dlib_flip_fusion.json; models/dlib_resnet_v1/MODEL_CARD.md).
     """
     from models.dlib_format import DLIB_RESNET_FILE, DLIB_RESNET_SHA256, parse_dlib_face_resnet
-    from models.nets.dlib_resnet import DLIB_EMBEDDING_SIZE, DLIB_INPUT_SIZE, DlibFaceResNet
+    from models.nets.dlib_resnet import (
+        DLIB_ARCHITECTURE,
+        DLIB_EMBEDDING_SIZE,
+        DLIB_INPUT_SIZE,
+        DlibFaceResNet,
+    )
     from models.onnx_export import export_checked
 
     if source is None:
@@ -312,7 +317,7 @@ def import_dlib(
     manifest = ModelManifest(
         name=name,
         version=version,
-        architecture="dlib_resnet29",
+        architecture=DLIB_ARCHITECTURE,
         embedding_size=DLIB_EMBEDDING_SIZE,
         input_height=size,
         input_width=size,

@@ -44,6 +44,8 @@ from models.dlib_format import FACE_RESNET_STAGES, DlibNetwork
 #: Input side and output size of dlib's face ResNet.
 DLIB_INPUT_SIZE = 150
 DLIB_EMBEDDING_SIZE = 128
+#: ``architecture`` in the manifest of the converted model (``sphereface import dlib``).
+DLIB_ARCHITECTURE = "dlib_resnet29"
 
 
 def add_zero_extended(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
