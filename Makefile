@@ -220,7 +220,7 @@ megaface-local: models
 		--json $(MEGAFACE)/local_sphereface_celeba.json --plots $(MEGAFACE)/sphereface_celeba
 	$(BIN)/sphereface report $(MEGAFACE)/local_dlib.json $(MEGAFACE)/local_reference.json \
 		$(MEGAFACE)/local_sphereface_celeba.json \
-		--names "default: dlib ResNet (CC0),reference MobileFaceNet (CASIA-WebFace),sphereface_celeba v2 (celeba_faces + celeba_small)" \
+		--names "default: dlib ResNet (CC0),reference MobileFaceNet (CASIA-WebFace),sphereface_celeba v3 (celeba_faces + celeba_small)" \
 		--out $(MEGAFACE)/local_v1.md
 
 # 1,000,000 distractors on this machine: time and peak memory (docs/megaface.md).
