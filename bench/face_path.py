@@ -717,6 +717,16 @@ def load_torch_net(checkpoint: Path):
     return load_mobilefacenet(state).eval()
 
 
+def torch_baseline_name(model_dir: Path) -> str:
+    """What :func:`load_torch_baseline` runs for this model folder, in words (for reports)."""
+    from models.manifest import load_manifest
+    from models.nets.dlib_resnet import DLIB_ARCHITECTURE
+
+    if load_manifest(model_dir).architecture == DLIB_ARCHITECTURE:
+        return "dlib's ResNet (rebuilt in PyTorch from dlib's own file)"
+    return "MobileFaceNet (the reference checkpoint)"
+
+
 def load_torch_baseline(model_dir: Path, checkpoint: Path):
     """The PyTorch network behind a model folder, for the eager baseline: dlib's ResNet rebuilt
     from dlib's own file (``make install`` caches it) for the dlib model, else MobileFaceNet

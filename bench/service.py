@@ -5,9 +5,10 @@
     ``--threads`` intra-op threads, against a hand-rolled baseline of what people do today: PIL
     decodes both photos, facenet-pytorch 2.6.0's own MTCNN code finds the largest face
     (``detect(..., landmarks=True)``), our ``models.align.align_faces`` aligns it (the same
-    5-point similarity transform for both sides), PyTorch eager runs the same MobileFaceNet
-    checkpoint on the crop and its mirror (``torch.inference_mode``, fused like our embedder:
-    concatenated, L2-normalised), and the cosine of the two is the score. Same detector settings
+    5-point similarity transform for both sides), PyTorch eager runs the same network (the
+    MobileFaceNet checkpoint, or dlib's ResNet rebuilt from dlib's file for ``--model
+    models/dlib_resnet_v1``) on the crop and its mirror (``torch.inference_mode``, fused like our
+    embedder, L2-normalised), and the cosine of the two is the score. Same detector settings
     (min face, thresholds, pyramid factor) as the app's pipeline, same thread count. Pairs of real
     photos (genuine and impostor, ``photos/people``), interleaved rounds; median / p90 / mean per
     call, the ratio baseline / ours, the score difference and the decisions of both.
@@ -606,6 +607,7 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model_dir": str(args.model),
         "model_id": model_id,
+        "baseline_network": fp.torch_baseline_name(args.model),
         "model_imported_now": imported,
         "threads": args.threads,
         "threshold": t,
@@ -1083,7 +1085,8 @@ def _render_verify(v: dict[str, Any] | None) -> list[str]:
         "Ours: POST /v1/verify through the FastAPI app in process (TestClient: multipart encoding, "
         "decoding, detection, alignment, embedding, JSON). Baseline: PIL decode + facenet-pytorch MTCNN "
         "(PyTorch eager) + `models.align.align_faces` (the shared alignment step, same for both) + "
-        "PyTorch eager MobileFaceNet on crop and mirror (concat, L2-normalised) + cosine; "
+        f"PyTorch eager {v.get('baseline_network', 'MobileFaceNet')} on the crop fused as the "
+        "manifest says (crop and mirror: concatenated or summed, L2-normalised) + cosine; "
         "the baseline has no HTTP layer."
     )
     if len(v["contenders"]) > 2:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -26,3 +28,20 @@ def test_the_dlib_models_eager_baseline_is_the_served_network():
     with torch.inference_mode():
         eager = net(torch.from_numpy(preprocess(crops, embedder.manifest))).numpy()
     np.testing.assert_allclose(eager, embedder.raw(crops), atol=1e-4)
+
+
+def test_the_verify_report_names_the_baseline_network_of_the_model():
+    from bench.face_path import torch_baseline_name
+    from bench.service import _render_verify
+
+    dlib_dir = require_path(
+        REPO_ROOT / "models" / "dlib_resnet_v1" / "manifest.json", "run `make install`"
+    ).parent
+    name = torch_baseline_name(dlib_dir)
+    assert "dlib" in name and "MobileFaceNet" not in name
+    assert "MobileFaceNet" in torch_baseline_name(REPO_ROOT / "models" / "sphereface_celeba")
+
+    results = REPO_ROOT / "docs" / "results" / "bench_service_verify_default.json"
+    report = dict(json.loads(results.read_text())["verify"], baseline_network=name)
+    text = "\n".join(_render_verify(report))
+    assert f"PyTorch eager {name}" in text and "eager MobileFaceNet" not in text
