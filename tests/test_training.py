@@ -484,6 +484,48 @@ def test_loss_table_reads_finished_runs_in_paper_order_with_megaface_rank1(tmp_p
         collect([tmp_path / "unfinished"])
 
 
+def test_loss_table_adds_new_runs_to_a_kept_table_in_paper_order(tmp_path):
+    from training.loss_table import main, merge_rows
+
+    kept = [
+        {"run": "sf4_softmax", "loss": "softmax", "order": [0, 0.0], "lfw_accuracy": 0.83},
+        {"run": "sf4_sphereface_plus", "loss": "SphereFace+ w1", "order": [6, 1.0], "lfw_accuracy": 0.85},
+        {"run": "sf4_arcface", "loss": "ArcFace", "order": [8, 0.0], "lfw_accuracy": 0.86},
+    ]
+    new = [
+        {"run": "sf4_sphereface_plus_mhe10", "loss": "SphereFace+ w10", "order": [6, 10.0]},
+        {"run": "sf4_sphereface_plus_mhe0p1", "loss": "SphereFace+ w0.1", "order": [6, 0.1]},
+        {"run": "sf4_softmax", "loss": "softmax", "order": [0, 0.0], "lfw_accuracy": 0.84},
+    ]
+    rows = merge_rows(kept, new, "kept.json")
+    assert [r["run"] for r in rows] == [
+        "sf4_softmax", "sf4_sphereface_plus_mhe0p1", "sf4_sphereface_plus",
+        "sf4_sphereface_plus_mhe10", "sf4_arcface",
+    ]  # fmt: skip
+    assert rows[0]["lfw_accuracy"] == 0.84  # the new run replaced the kept row
+    with pytest.raises(ValueError, match="have no 'order'"):
+        merge_rows([{"run": "old"}], new, "old.json")
+    # Through the command line: a finished run folder added to a kept JSON table.
+    run = tmp_path / "sf4_cosface"
+    run.mkdir()
+    summary = {
+        "name": "sf4_cosface", "head": "cosface", "head_options": {}, "seed": 0, "network": "sphereface4",
+        "steps": 2000, "batch_size": 64, "epochs": 9.6, "lfw": {"accuracy": 0.8, "std": 0.01},
+        "final": {"accuracy": 0.9, "feature_norm": 21.5},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    columns = (
+        "lfw_accuracy", "lfw_std", "megaface_local_rank1", "angular_fisher_score", "classifier_energy_s2",
+        "classifier_energy_s0", "classifier_min_angle_deg", "classifier_nearest_mean_deg",
+        "final_train_accuracy", "final_feature_norm",
+    )  # fmt: skip
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps([{**dict.fromkeys(columns), **r} for r in kept]))
+    assert main([str(run), "--keep", str(table), "--json", str(table)]) == 0
+    runs = [r["run"] for r in json.loads(table.read_text())]
+    assert runs == ["sf4_softmax", "sf4_sphereface_plus", "sf4_cosface", "sf4_arcface"]
+
+
 def test_optimiser_groups_follow_the_authors_prototxt():
     from models.nets import build_network
     from training.trainer import _param_groups

@@ -5,6 +5,11 @@ Usage (after training the runs, e.g. ``make loss-table``)::
     python -m training.loss_table runs/celeba/sf4_* --json docs/results/loss_table.json \\
         --markdown docs/results/loss_table.md
 
+New runs can be added to a committed table whose run folders are gone (``--keep``)::
+
+    python -m training.loss_table runs/celeba_more/sf4_sphereface_plus_mhe10 \\
+        --keep docs/results/loss_table.json --json docs/results/loss_table.json
+
 Columns: LFW 10-fold accuracy (official protocol, crops aligned with our MTCNN's landmarks as the
 training data, PyTorch features), the
 angular Fisher score of the LFW features (Eq. A.1, people with 2+ images; lower = more
@@ -121,10 +126,25 @@ def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "num_images": summary.get("num_images"),
                 "num_classes": summary.get("num_classes"),
                 "train_images_per_s": summary.get("mean_images_per_s"),
-                "_order": _order_key(summary),
+                "order": list(_order_key(summary)),
             }
         )
-    rows.sort(key=lambda r: r.pop("_order"))
+    rows.sort(key=lambda r: r["order"])
+    return rows
+
+
+def merge_rows(kept: list[dict[str, Any]], new: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The rows of an earlier table (``kept``, e.g. the committed JSON, whose run folders may be
+    gone) with ``new`` rows added; a new row replaces a kept row of the same run. Paper order."""
+    unordered = [r.get("run", "?") for r in kept if "order" not in r]
+    if unordered:
+        raise ValueError(
+            f"{source}: rows {unordered} have no 'order' (written before tables kept it); "
+            "rebuild that table from its runs instead"
+        )
+    replaced = {r["run"] for r in new}
+    rows = [r for r in kept if r["run"] not in replaced] + list(new)
+    rows.sort(key=lambda r: tuple(r["order"]))
     return rows
 
 
@@ -143,7 +163,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         acc = "–"
         if r["lfw_accuracy"] is not None:
-            acc = f"{100 * r['lfw_accuracy']:.2f} ± {100 * r['lfw_std']:.2f}"
+            acc = f"{100 * r['lfw_accuracy']:.2f}"
+            if r.get("lfw_std") is not None:
+                acc += f" ± {100 * r['lfw_std']:.2f}"
         train_acc = None if r["final_train_accuracy"] is None else 100 * r["final_train_accuracy"]
         min_angle, nearest = r["classifier_min_angle_deg"], r["classifier_nearest_mean_deg"]
         angles = f"{_num(min_angle, '.1f')} / {_num(nearest, '.1f')}"
@@ -193,8 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="PNG of every run's loss, accuracy and ||x||")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="a table's JSON whose rows stay (their runs need not be here); the runs given add rows "
+        "or replace the rows of the same run (e.g. --keep docs/results/loss_table.json)",
+    )
     args = parser.parse_args(argv)
     rows = collect(args.runs)
+    if args.keep:
+        rows = merge_rows(json.loads(args.keep.read_text()), rows, str(args.keep))
     if args.plot:
         plot_curves(args.runs, args.plot)
     table = markdown(rows)
