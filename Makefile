@@ -153,12 +153,16 @@ for config in $(1); do \
 done
 endef
 
-# The loss comparison of docs/training.md §6: 8 SphereFace-4 runs of 2,000 steps on celeba_faces +
-# celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), each
-# exported and evaluated on MegaFace local-v1 (about 3 minutes each), then the table.
+# The loss comparison of docs/training.md §6: the SphereFace-4 runs of 2,000 steps on celeba_faces +
+# celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), then the
+# fine-tuning runs (*_finetune.toml: 1,000 steps from a trained run), each exported and evaluated
+# on MegaFace local-v1 (about 3 minutes each), then the table.
 loss-table: prepare-celeba
-	printf '%s\n' $(LOSS_CONFIGS) | xargs -P 2 -I{} sh -c \
-		'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress'
+	for configs in "$(filter-out %_finetune.toml,$(LOSS_CONFIGS))" "$(filter %_finetune.toml,$(LOSS_CONFIGS))"; do \
+		printf '%s\n' $$configs | xargs -P 2 -I{} sh -c \
+			'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress' \
+			|| exit 1; \
+	done
 	$(call export_and_megaface,$(LOSS_CONFIGS),runs/celeba_more)
 	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
@@ -255,9 +259,11 @@ bench-gallery-memory: install
 
 # /v1/verify of the same photo pairs with the default model, the project-trained one (the old
 # default) and the reference: latency (median of 5 interleaved rounds, with the range) and
-# decisions at each model's thresholds (part of bench-service; about 3 minutes alone).
+# decisions at each model's thresholds (part of bench-service; about 3 minutes alone), and the
+# default model's int8 copy when `make int8-model` has made it.
 bench-models: install models
-	$(BIN)/python bench/models.py --models default,sphereface_celeba,$(REF_MODEL) --json docs/results/bench_models.json
+	$(BIN)/python bench/models.py --models default,$$(test -f $(INT8_MODEL)/model.onnx && echo $(INT8_MODEL),)sphereface_celeba,$(REF_MODEL) \
+		--json docs/results/bench_models.json
 
 clean:
 	rm -rf $(VENV) $(CACHE) *.egg-info

@@ -349,6 +349,42 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
 
 
 @pytest.mark.shared_data
+def test_fine_tuning_starts_from_another_runs_network_and_classifier(tiny_prepared, tmp_path):
+    from training.trainer import train
+
+    base = train(
+        load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "base", "head=asoftmax", "steps=2")),
+        progress=False,
+    )
+    source = torch.load(base.run_dir / "checkpoint.pt", weights_only=True)
+    # SphereFace+ the papers' way: the trained A-Softmax run, then A-Softmax + MHE. One step at
+    # lr 1e-9 leaves every weight within 1e-6 of where the source run left it.
+    source_path = json.dumps(str(base.run_dir / "checkpoint.pt"))
+    overrides = _smoke_overrides(
+        tiny_prepared, tmp_path, "tuned", "head=sphereface_plus", "head_options={ m = 4, mhe_weight = 10.0 }",
+        "steps=1", "lr=1e-9", "lambda_base=5.0", f"init_from={source_path}",
+    )  # fmt: skip
+    tuned = train(load_config(None, overrides), progress=False)
+    state = torch.load(tuned.run_dir / "checkpoint.pt", weights_only=True)
+    for part in ("net", "head"):
+        for key, value in source[part].items():
+            torch.testing.assert_close(state[part][key], value, atol=1e-6, rtol=0, msg=f"{part}.{key}")
+    assert tuned.summary["init_from"] == str(base.run_dir / "checkpoint.pt")
+    with (tuned.run_dir / "log.csv").open() as handle:
+        row = next(csv.DictReader(handle))
+    assert float(row["lambda"]) == 5.0 and float(row["mhe"]) > 0
+    # A fresh run of the same config differs: the weights above came from the source, not the seed.
+    fresh = train(load_config(None, [*overrides[:-1], "name=fresh"]), progress=False)
+    fresh_state = torch.load(fresh.run_dir / "checkpoint.pt", weights_only=True)
+    first = next(iter(source["net"]))
+    assert (fresh_state["net"][first] - state["net"][first]).abs().max() > 1e-3
+
+    lost = [*overrides[:-1], "name=lost", f"init_from={json.dumps(str(tmp_path / 'nowhere'))}"]
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        train(load_config(None, lost), progress=False)
+
+
+@pytest.mark.shared_data
 def test_a_run_whose_features_collapse_stops_with_a_clear_message(tiny_prepared, tmp_path):
     from training.trainer import FeatureCollapseError, train
 
