@@ -227,3 +227,33 @@ def test_hidden_mhe_mini_batch_uses_a_random_subset_of_neurons_per_layer() -> No
     assert value.item() == pytest.approx(expected, rel=1e-6)
     full = HiddenMHE(weight=1.0, max_neurons=100)(net)
     assert full.item() == pytest.approx(HiddenMHE(weight=1.0)(net).item(), rel=1e-6)
+
+
+def test_mhe_gradient_comparison_splits_the_sphereface_plus_gradient_and_scales_with_the_weight() -> None:
+    from torch import nn
+
+    from training.data import to_network_input
+    from training.losses import SphereFacePlusHead
+    from training.mhe_gradient import compare_gradients
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 6, 16))
+    images = torch.randint(0, 256, (12, 8, 6, 3), dtype=torch.uint8)
+    labels = torch.tensor([0, 1, 2, 3] * 3)
+    classifier = torch.randn(9, 16)
+    comparisons = []
+    for weight in (10.0, 20.0):
+        head = SphereFacePlusHead(16, 9, m=4, lambda_schedule=5.0, mhe_weight=weight)
+        with torch.no_grad():
+            head.weight.copy_(classifier)
+        comparisons.append(compare_gradients(net, head, images, labels))
+        # The two parts add up to the gradient of the SphereFace+ loss itself (Eq. 5.8).
+        loss = head(net(to_network_input(images)), labels, step=10**9).loss
+        total = torch.autograd.grad(loss, head.weight)[0]
+        mhe = torch.autograd.grad(weight * output_mhe_loss(head.weight, labels), head.weight)[0]
+        rows = torch.unique(labels)
+        asoftmax_norm = (total - mhe)[rows].norm()
+        assert comparisons[-1].ratio == pytest.approx(float(mhe[rows].norm() / asoftmax_norm), rel=1e-4)
+    assert comparisons[1].ratio == pytest.approx(2 * comparisons[0].ratio, rel=1e-5)
+    assert comparisons[1].cosine == pytest.approx(comparisons[0].cosine, abs=1e-5)
+    assert comparisons[0].ratio > 0
