@@ -505,32 +505,35 @@ def test_loss_table_reads_finished_runs_in_paper_order_with_megaface_rank1(tmp_p
         run("soft", "softmax", {}, 0, 0.80, 0.125),
         run("plus10", "sphereface_plus", {"m": 4, "mhe_weight": 10.0}, 0, 0.82, 0.2),
         run("plus01", "sphereface_plus", {"m": 4, "mhe_weight": 0.1}, 0, 0.82, 0.2),
+        run("plus_m2", "sphereface_plus", {"m": 2, "mhe_weight": 10.0}, 0, 0.82, 0.2),
     ])  # fmt: skip
     assert [r["loss"] for r in rows] == [
-        "softmax", "A-Softmax m = 4, seed 1", "SphereFace+ (m = 4, MHE weight 0.1)",
-        "SphereFace+ (m = 4, MHE weight 10.0)", "ArcFace (s = 30, m = 0.5)",
+        "softmax", "A-Softmax m = 4, seed 1", "SphereFace+ (m = 2, MHE weight 10.0)",
+        "SphereFace+ (m = 4, MHE weight 0.1)", "SphereFace+ (m = 4, MHE weight 10.0)",
+        "ArcFace (s = 30, m = 0.5)",
     ]  # fmt: skip
     assert rows[1]["megaface_local_rank1"] == 0.25 and rows[1]["megaface_distractors"] == 10318
     table = markdown(rows).splitlines()
     assert table[3].startswith("| A-Softmax m = 4, seed 1 | 83.00 ± 1.00 | 25.00 | 0.3000 |")
     assert table[3].endswith("| 90.0 | 21.5 |")
-    assert "| – |" in table[6]  # no MegaFace report for the ArcFace run
+    assert "| – |" in table[7]  # no MegaFace report for the ArcFace run
     (tmp_path / "unfinished").mkdir()
     with pytest.raises(FileNotFoundError, match="has not finished"):
         collect([tmp_path / "unfinished"])
 
 
 def test_loss_table_adds_new_runs_to_a_kept_table_in_paper_order(tmp_path):
-    from training.loss_table import main, merge_rows
+    from training.loss_table import ORDER, main, merge_rows
 
+    plus, arcface = ORDER.index(("sphereface_plus", 4)), ORDER.index(("arcface", None))
     kept = [
         {"run": "sf4_softmax", "loss": "softmax", "order": [0, 0.0], "lfw_accuracy": 0.83},
-        {"run": "sf4_sphereface_plus", "loss": "SphereFace+ w1", "order": [6, 1.0], "lfw_accuracy": 0.85},
-        {"run": "sf4_arcface", "loss": "ArcFace", "order": [8, 0.0], "lfw_accuracy": 0.86},
+        {"run": "sf4_sphereface_plus", "loss": "SphereFace+ w1", "order": [plus, 1.0], "lfw_accuracy": 0.85},
+        {"run": "sf4_arcface", "loss": "ArcFace", "order": [arcface, 0.0], "lfw_accuracy": 0.86},
     ]
     new = [
-        {"run": "sf4_sphereface_plus_mhe10", "loss": "SphereFace+ w10", "order": [6, 10.0]},
-        {"run": "sf4_sphereface_plus_mhe0p1", "loss": "SphereFace+ w0.1", "order": [6, 0.1]},
+        {"run": "sf4_sphereface_plus_mhe10", "loss": "SphereFace+ w10", "order": [plus, 10.0]},
+        {"run": "sf4_sphereface_plus_mhe0p1", "loss": "SphereFace+ w0.1", "order": [plus, 0.1]},
         {"run": "sf4_softmax", "loss": "softmax", "order": [0, 0.0], "lfw_accuracy": 0.84},
     ]
     rows = merge_rows(kept, new, "kept.json")

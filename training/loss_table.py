@@ -34,6 +34,7 @@ ORDER = (
     ("asoftmax", 2),
     ("asoftmax", 3),
     ("asoftmax", 4),
+    ("sphereface_plus", 2),
     ("sphereface_plus", 4),
     ("cosface", None),
     ("arcface", None),
