@@ -234,7 +234,7 @@ def test_mhe_gradient_comparison_splits_the_sphereface_plus_gradient_and_scales_
 
     from training.data import to_network_input
     from training.losses import SphereFacePlusHead
-    from training.mhe_gradient import compare_gradients
+    from training.mhe_diagnostics import compare_gradients
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 6, 16))
@@ -257,3 +257,23 @@ def test_mhe_gradient_comparison_splits_the_sphereface_plus_gradient_and_scales_
     assert comparisons[1].ratio == pytest.approx(2 * comparisons[0].ratio, rel=1e-5)
     assert comparisons[1].cosine == pytest.approx(comparisons[0].cosine, abs=1e-5)
     assert comparisons[0].ratio > 0
+
+
+def test_energy_by_class_frequency_matches_a_direct_loop() -> None:
+    from training.mhe_diagnostics import energy_by_class_frequency
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(6, 4))
+    counts = np.array([2, 2, 5, 9, 3, 2])
+    unit = w / np.linalg.norm(w, axis=1, keepdims=True)
+    pair = [[0.0 if i == j else 1 / np.sum((unit[i] - unit[j]) ** 2) for j in range(6)] for i in range(6)]
+    per_class = np.array([sum(row) / 5 for row in pair])
+    rare = [0, 1, 5]
+    among_rare = sum(pair[i][j] for i in rare for j in rare if i != j) / 6
+    got = energy_by_class_frequency(torch.from_numpy(w * 3.0), counts)  # row norms play no part
+    assert got["all"] == pytest.approx(per_class.mean(), rel=1e-9)
+    assert got["photo_weighted"] == pytest.approx(np.sum(per_class * counts) / counts.sum(), rel=1e-9)
+    assert got["two_photos"] == pytest.approx(per_class[rare].mean(), rel=1e-9)
+    assert got["five_or_more_photos"] == pytest.approx(per_class[[2, 3]].mean(), rel=1e-9)
+    assert got["among_two_photo_classes"] == pytest.approx(among_rare, rel=1e-9)
+    assert got["all"] == pytest.approx(float(mhe_energy(torch.from_numpy(w))), rel=1e-5)  # MHE_EPS
