@@ -609,3 +609,26 @@ def test_auto_precision_is_bf16_only_on_gpus_that_compute_in_bf16(monkeypatch):
     assert _bf16_for(config, cuda) is True
     assert _bf16_for(config, torch.device("cpu")) is False
     assert _bf16_for(load_config(None, ["precision=bf16"]), torch.device("cpu")) is True
+
+
+def test_loss_curves_continue_a_fine_tuned_run_after_its_source_and_leave_out_the_mhe_term(tmp_path):
+    from training.loss_table import curve_series
+
+    source = tmp_path / "base"
+    source.mkdir()
+    (source / "summary.json").write_text(json.dumps({"steps": 2000}))
+    cols = {
+        "step": np.array([50.0, 100.0]), "loss": np.array([7.0, 6.5]), "mhe": np.array([0.5, 0.49]),
+        "accuracy": np.array([0.5, 0.6]), "feature_norm": np.array([20.0, 21.0]),
+    }  # fmt: skip
+    tuned = {"head": "sphereface_plus", "head_options": {"m": 4, "mhe_weight": 10.0},
+             "init_from": str(source / "checkpoint.pt")}  # fmt: skip
+    steps, loss, accuracy, norm = curve_series(tuned, cols)
+    np.testing.assert_allclose(steps, [2050, 2100])
+    np.testing.assert_allclose(loss, [2.0, 1.6])
+    np.testing.assert_allclose(accuracy, [50, 60])
+    np.testing.assert_allclose(norm, [20, 21])
+    scratch = {"head": "asoftmax", "head_options": {"m": 4}}
+    steps, loss, *_ = curve_series(scratch, {**cols, "mhe": np.array([np.nan, np.nan])})
+    np.testing.assert_allclose(steps, [50, 100])
+    np.testing.assert_allclose(loss, [7.0, 6.5])

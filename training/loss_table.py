@@ -179,8 +179,32 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _steps_before(summary: dict[str, Any]) -> int:
+    """Steps of the run a fine-tuned run started from (its summary beside the checkpoint), else 0."""
+    source = summary.get("init_from")
+    if not source:
+        return 0
+    path = Path(source)
+    path = (path if path.is_dir() else path.parent) / "summary.json"
+    return int(json.loads(path.read_text())["steps"]) if path.is_file() else 0
+
+
+def curve_series(summary: dict[str, Any], cols: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """x (steps, after the source run's for a fine-tuned run), classification loss (the logged loss
+    without SphereFace+'s weighted MHE term), accuracy in % and ||x|| of one run's log."""
+    import numpy as np
+
+    loss = np.asarray(cols["loss"], dtype=float)
+    weight = float(summary.get("head_options", {}).get("mhe_weight", 0.0))
+    if summary.get("head") == "sphereface_plus" and weight:
+        loss = loss - weight * np.nan_to_num(np.asarray(cols["mhe"], dtype=float))
+    steps = np.asarray(cols["step"]) + _steps_before(summary)
+    return steps, loss, 100 * np.asarray(cols["accuracy"]), np.asarray(cols["feature_norm"])
+
+
 def plot_curves(run_dirs: list[Path], out: Path) -> Path:
-    """Training loss, accuracy and mean feature norm ||x|| of every run against step, one PNG."""
+    """Classification loss, accuracy and mean feature norm ||x|| of every run against step, one PNG;
+    a fine-tuned run continues where the run it started from ended."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -189,22 +213,27 @@ def plot_curves(run_dirs: list[Path], out: Path) -> Path:
     fig = Figure(figsize=(15, 4.6), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
-    titles = ("training loss", "training accuracy (%, logits without margin)", "mean feature norm ||x||")
+    titles = (
+        "training loss (without the MHE term)", "training accuracy (%, logits without margin)",
+        "mean feature norm ||x||",
+    )  # fmt: skip
     for run in run_dirs:
         summary = json.loads((run / "summary.json").read_text())
-        cols = read_log(run / "log.csv")
+        steps, *series = curve_series(summary, read_log(run / "log.csv"))
         label = _label(summary)
         style = "--" if summary.get("seed") else "-"
-        series = (cols["loss"], 100 * cols["accuracy"], cols["feature_norm"])
         for ax, values in zip(axes, series, strict=True):
-            ax.plot(cols["step"], values, style, lw=1.2, label=label)
+            ax.plot(steps, values, style, lw=1.2, label=label)
     for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     axes[2].set_ylim(bottom=0)
-    axes[2].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    legend_rows = (len(labels) + 1) // 2
+    fig.set_figheight(4.6 + 0.22 * legend_rows)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.22 * legend_rows / fig.get_figheight() + 0.02, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
