@@ -8,6 +8,9 @@ over the rounds, with the range of the round values. ``--max-side 0`` (the defau
 photos at full resolution, as ``make bench`` does; the service's setting is 1024.
 
     .venv/bin/python bench/detector_session_options.py --json docs/results/bench_detector_session_options.json
+
+``--profile-pnet`` adds ONNX Runtime's own profile of the shipped P-Net over the photos (twice):
+its time per operator type, as a share of all its operators' time.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import onnxruntime as ort
@@ -59,12 +64,40 @@ def detector_with(
         ort.SessionOptions = shipped
 
 
+def pnet_operator_profile(images: list, max_side: int | None) -> dict[str, float]:
+    """Share of the shipped P-Net's operator time per operator type, over the images twice."""
+    with tempfile.TemporaryDirectory() as folder:
+        shipped = ort.SessionOptions
+
+        class Profiled(shipped):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                self.enable_profiling = True
+                self.profile_file_prefix = str(Path(folder) / "pnet")
+
+        ort.SessionOptions = Profiled
+        try:
+            det = MTCNNDetector(max_image_side=max_side)
+        finally:
+            ort.SessionOptions = shipped
+        for image in images + images:
+            det.detect(image)
+        events = json.loads(Path(det.pnet.end_profiling()).read_text())
+    per_op: Counter[str] = Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"]["op_name"]] += event["dur"]
+    total = sum(per_op.values())
+    return {op: us / total for op, us in per_op.most_common()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-side", type=int, default=0, help="0: full resolution")
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile-pnet", action="store_true", help="also ORT's operator profile of P-Net")
     args = p.parse_args(argv)
     paths = sorted((args.data / "photos").rglob("*.jpg"))
     if len(paths) < 2:
@@ -98,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         o = report["one_photo"][name]
         print(f"| {name} | {o['median_ms']:.1f} ({o['min_ms']:.1f}-{o['max_ms']:.1f}) |")
+    if args.profile_pnet:
+        report["pnet_operator_share"] = pnet_operator_profile(images, max_side)
+        print(
+            "P-Net operator time: "
+            + ", ".join(f"{op} {share:.0%}" for op, share in report["pnet_operator_share"].items())
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
