@@ -13,6 +13,10 @@ REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
+# The SphereFace+ figure and MHE diagnostics of docs/training.md §6: the A-Softmax m = 4 run, its
+# three fine-tunings (no MHE, MHE 10, MHE 100) and SphereFace+ m = 2.
+SFPLUS_RUNS := $(addprefix runs/celeba_more/,sf4_asoftmax_m4 sf4_asoftmax_m4_finetune sf4_sphereface_plus_finetune \
+	sf4_sphereface_plus_mhe100_finetune sf4_sphereface_plus_m2_mhe10)
 # docs/hyperspherical.md: the CIFAR-10 runs (seed 0 first, then the second seeds) and the face run.
 HS_CIFAR := training/configs/hyperspherical/cifar
 HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR)/*.toml))) \
@@ -167,6 +171,9 @@ loss-table: prepare-celeba
 	$(BIN)/python -m training.loss_table $(patsubst training/configs/celeba_more/%.toml,runs/celeba_more/%,$(LOSS_CONFIGS)) \
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
+	$(BIN)/python -m training.loss_table $(SFPLUS_RUNS) --plot docs/results/loss_table_curves_sphereface_plus.png
+	$(BIN)/python -m training.mhe_diagnostics $(filter-out %_m2_mhe10,$(SFPLUS_RUNS)) \
+		--config training/configs/celeba_more/sf4_sphereface_plus_finetune.toml --json docs/results/mhe_diagnostics.json
 
 # docs/opt.md: the OPT and CoMHE CIFAR-10 runs (22 runs of CNN-6, 3 to 14 minutes each on one core)
 # and two SphereFace-4 face runs on the CelebA sets (OPT-CP and RP-CoMHE, 25 and 35 minutes), two at a
