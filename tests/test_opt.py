@@ -537,7 +537,11 @@ def test_the_opt_table_decides_each_claim_against_the_seed_spread(tmp_path):
         ("cnn6_baseline_lr002", 0.74), ("cnn6_baseline_lr002_seed1", 0.745),  # the control: 26 / 25.5
     ]:  # fmt: skip
         _fake_opt_run(runs, name, accuracy)
-    no_faces = ["--faces", str(tmp_path / "none"), "--loss-table", str(tmp_path / "none.json")]
+    # No face runs anywhere: not even the loss table's runs of a checkout that has trained them.
+    no_faces = [
+        "--faces", str(tmp_path / "none"), "--loss-table", str(tmp_path / "none.json"),
+        "--baselines", str(tmp_path / "none"),
+    ]  # fmt: skip
     assert main(["--runs", str(runs), *no_faces, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "opt.json").read_text())
     verdicts = {c["claim"].split(" (")[0]: c.get("verdict", "not run") for c in report["claims"]}
