@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnxruntime as ort
@@ -42,44 +44,49 @@ VARIANTS: dict[str, tuple[dict[str, bool], dict[str, str]]] = {
 }
 
 
+@contextmanager
+def session_options(configure: Callable[[ort.SessionOptions], None]) -> Iterator[None]:
+    """Sessions opened inside get their ``SessionOptions`` passed through ``configure`` first."""
+    shipped = ort.SessionOptions
+
+    class Configured(shipped):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            configure(self)
+
+    ort.SessionOptions = Configured
+    try:
+        yield
+    finally:
+        ort.SessionOptions = shipped
+
+
 def detector_with(
     attributes: dict[str, bool], entries: dict[str, str], max_side: int | None
 ) -> MTCNNDetector:
     """An MTCNN detector whose sessions are opened with these options changed."""
-    shipped = ort.SessionOptions
 
-    class Changed(shipped):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            for name, value in attributes.items():
-                setattr(self, name, value)
+    def configure(options: ort.SessionOptions) -> None:
+        for name, value in attributes.items():
+            setattr(options, name, value)
+        # create_session sets its config entries after this: wrap the setter to change them.
+        add_entry = options.add_session_config_entry
+        options.add_session_config_entry = lambda key, value: add_entry(key, entries.get(key, value))
 
-        def add_session_config_entry(self, key: str, value: str) -> None:
-            super().add_session_config_entry(key, entries.get(key, value))
-
-    ort.SessionOptions = Changed
-    try:
+    with session_options(configure):
         return MTCNNDetector(max_image_side=max_side)
-    finally:
-        ort.SessionOptions = shipped
 
 
 def pnet_operator_profile(images: list, max_side: int | None) -> dict[str, float]:
     """Share of the shipped P-Net's operator time per operator type, over the images twice."""
     with tempfile.TemporaryDirectory() as folder:
-        shipped = ort.SessionOptions
 
-        class Profiled(shipped):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                super().__init__()
-                self.enable_profiling = True
-                self.profile_file_prefix = str(Path(folder) / "pnet")
+        def configure(options: ort.SessionOptions) -> None:
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(folder) / "pnet")
 
-        ort.SessionOptions = Profiled
-        try:
+        with session_options(configure):
             det = MTCNNDetector(max_image_side=max_side)
-        finally:
-            ort.SessionOptions = shipped
         for image in images + images:
             det.detect(image)
         events = json.loads(Path(det.pnet.end_profiling()).read_text())

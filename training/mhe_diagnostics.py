@@ -56,7 +56,7 @@ def compare_gradients(
     rows = torch.unique(labels)
     a, m = grad_asoftmax[rows].flatten(), grad_mhe[rows].flatten()
     return GradientComparison(
-        ratio=float(m.norm() / a.norm()), cosine=float(torch.nn.functional.cosine_similarity(m, a, dim=0))
+        ratio=float(m.norm() / a.norm()), cosine=float(F.cosine_similarity(m, a, dim=0))
     )
 
 
