@@ -59,7 +59,7 @@ from models.align import align_faces  # noqa: E402
 from models.embedder import Embedder, preprocess  # noqa: E402
 from models.image import read_image  # noqa: E402
 from models.manifest import MANIFEST_NAME, MODEL_NAME  # noqa: E402
-from models.mtcnn import MTCNNDetector  # noqa: E402
+from models.mtcnn import MTCNNDetector, run_mtcnn_net  # noqa: E402
 
 FNP_VERSION = "2.6.0"
 DEFAULT_WHEEL = REPO / ".cache" / "wheels" / f"facenet_pytorch-{FNP_VERSION}-py3-none-any.whl"
@@ -574,27 +574,28 @@ def profile_facenet(fnp, images: list[np.ndarray], threads: int) -> dict[str, An
 
 
 def mtcnn_weight_parity(det: MTCNNDetector, fnp) -> dict[str, float]:
-    """Max abs difference of our ONNX nets and facenet-pytorch's torch nets on the same input."""
+    """Max abs difference of our ONNX nets and facenet-pytorch's torch nets on the same pixels."""
     rng = np.random.default_rng(0)
-    out = {}
-    with torch.inference_mode():
-        x = rng.uniform(-1, 1, (2, 3, 57, 83)).astype(np.float32)
-        prob, reg = det.pnet.run(None, {"image": x})
-        t_reg, t_prob = fnp.pnet(torch.from_numpy(x))
-        out["pnet"] = max(np.abs(prob - t_prob[:, 1].numpy()).max(), np.abs(reg - t_reg.numpy()).max())
-        x = rng.uniform(-1, 1, (8, 3, 24, 24)).astype(np.float32)
-        prob, reg = det.rnet.run(None, {"image": x})
-        t_reg, t_prob = fnp.rnet(torch.from_numpy(x))
-        out["rnet"] = max(np.abs(prob - t_prob[:, 1].numpy()).max(), np.abs(reg - t_reg.numpy()).max())
-        x = rng.uniform(-1, 1, (8, 3, 48, 48)).astype(np.float32)
-        prob, reg, marks = det.onet.run(None, {"image": x})
-        t_reg, t_marks, t_prob = fnp.onet(torch.from_numpy(x))
-        out["onet"] = max(
-            np.abs(prob - t_prob[:, 1].numpy()).max(),
-            np.abs(reg - t_reg.numpy()).max(),
-            np.abs(marks - t_marks.numpy()).max(),
+
+    def both(session, torch_net, shape):
+        pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+        ours = run_mtcnn_net(session, pixels)
+        x = torch.from_numpy(
+            np.ascontiguousarray(((pixels - 127.5) / 128).astype(np.float32).transpose(0, 3, 1, 2))
         )
-    return {k: float(v) for k, v in out.items()}
+        return ours, [t.numpy() for t in torch_net(x)]
+
+    def diff(a, b):
+        return float(np.abs(a - b).max())
+
+    with torch.inference_mode():
+        (prob, reg), (t_reg, t_prob) = both(det.pnet, fnp.pnet, (2, 57, 83, 3))
+        pnet = max(diff(prob, t_prob[:, 1]), diff(reg, t_reg))
+        (prob, reg), (t_reg, t_prob) = both(det.rnet, fnp.rnet, (8, 24, 24, 3))
+        rnet = max(diff(prob, t_prob[:, 1]), diff(reg, t_reg))
+        (prob, reg, marks), (t_reg, t_marks, t_prob) = both(det.onet, fnp.onet, (8, 48, 48, 3))
+        onet = max(diff(prob, t_prob[:, 1]), diff(reg, t_reg), diff(marks, t_marks))
+    return {"pnet": pnet, "rnet": rnet, "onet": onet}
 
 
 def bench_detector(

@@ -11,14 +11,16 @@ convention of the original MATLAB code, whose box widths are ``x2 - x1 + 1``). L
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from models.mtcnn_convert import DEFAULT_MTCNN_DIR
+from models.mtcnn_convert import DEFAULT_MTCNN_DIR, PIXELS_INPUT
 from models.runtime import create_session, session_provider
 
 FACE_POLICIES = ("largest", "central", "all")
@@ -33,6 +35,10 @@ PYRAMID_OVERSAMPLING = 3.0
 #: Photos of fewer pixels make every level from the photo (reading them is cheap; LFW's and the
 #: training sets' 250x250 photos keep exactly the pyramid they had).
 PYRAMID_CASCADE_MIN_PIXELS = 1_000_000
+#: Photos of at least this many pixels have the pyramid levels that read the photo resized in
+#: parallel threads (PIL releases the GIL while it resizes); on smaller ones a thread hand-off
+#: costs about what the resize does.
+PYRAMID_PARALLEL_MIN_PIXELS = 250_000
 
 
 @dataclass
@@ -150,6 +156,19 @@ def _normalize(batch: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
 
+def run_mtcnn_net(session, pixels: np.ndarray) -> list[np.ndarray]:
+    """Run one MTCNN network on uint8 ``(N, H, W, 3)`` RGB pixels.
+
+    Networks converted by this version take the pixels as they are (:data:`PIXELS_INPUT`; the
+    normalisation is folded into their first convolution); files converted before take
+    ``"image"``, normalised float32 NCHW, which is made here.
+    """
+    name = session.get_inputs()[0].name
+    if name == PIXELS_INPUT:
+        return session.run(None, {name: np.ascontiguousarray(pixels)})
+    return session.run(None, {name: _normalize(pixels)})
+
+
 class MTCNNDetector:
     """Batched MTCNN on ONNX Runtime.
 
@@ -206,6 +225,9 @@ class MTCNNDetector:
         self.pnet = create_session(weights / "pnet.onnx", providers, **opts)
         self.rnet = create_session(weights / "rnet.onnx", providers, **opts)
         self.onet = create_session(weights / "onet.onnx", providers, **opts)
+        # Threads that resize pyramid levels (threads start only when first used).
+        threads = intra_op_threads or os.cpu_count() or 1
+        self._resize_pool = ThreadPoolExecutor(threads, "mtcnn-resize") if threads > 1 else None
 
     @property
     def provider(self) -> str:
@@ -265,23 +287,48 @@ class MTCNNDetector:
         of the full photo every time: on a 12-megapixel photo that reads about 5 megapixels
         instead of 120. With ``pyramid_oversampling=None``, and for photos under
         :data:`PYRAMID_CASCADE_MIN_PIXELS`, every level comes from the photo.
+
+        The levels made from the photo, the costly ones, are resized side by side in threads for
+        photos of :data:`PYRAMID_PARALLEL_MIN_PIXELS` or more (the same pixels, sooner: P-Net
+        starts on the first level while the others are still being made).
         """
+        plan = self._pyramid_plan(pil)
+        made: list[Image.Image | Future | None] = [pil]
+        pool = self._resize_pool if pil.size[0] * pil.size[1] >= PYRAMID_PARALLEL_MIN_PIXELS else None
+        for _, size, source in plan:
+            if source == 0 and pool is not None:
+                made.append(pool.submit(pil.resize, size, Image.Resampling.BOX))
+            else:
+                made.append(None)  # made from an earlier level when its turn comes
+        for index, (scale, size, source) in enumerate(plan, start=1):
+            level = made[index]
+            if isinstance(level, Future):
+                level = level.result()
+            else:
+                level = made[source].resize(size, Image.Resampling.BOX)
+            made[index] = level
+            yield scale, level
+
+    def _pyramid_plan(self, pil: Image.Image) -> list[tuple[float, tuple[int, int], int]]:
+        """Per level: its scale, its (width, height), and the index of the image it is resized
+        from (0: the photo, k: level k, 1-based)."""
         width, height = pil.size
-        sources = [pil]  # largest first
+        sizes = [(width, height)]
         cascades = self._cascades(pil)
+        plan = []
         for scale in self._scales(height, width):
             size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
-            source = pil
+            source = 0
             if cascades:
-                for candidate in reversed(sources):
-                    if candidate.size[0] >= self.pyramid_oversampling * size[0] and (
-                        candidate.size[1] >= self.pyramid_oversampling * size[1]
+                for index in range(len(sizes) - 1, -1, -1):
+                    if sizes[index][0] >= self.pyramid_oversampling * size[0] and (
+                        sizes[index][1] >= self.pyramid_oversampling * size[1]
                     ):
-                        source = candidate
+                        source = index
                         break
-            level = source.resize(size, Image.Resampling.BOX)
-            sources.append(level)
-            yield scale, level
+            sizes.append(size)
+            plan.append((scale, size, source))
+        return plan
 
     def _cascades(self, pil: Image.Image) -> bool:
         """Whether the pyramid levels of this photo are made from each other (and crops cut from them)."""
@@ -300,7 +347,7 @@ class MTCNNDetector:
             for scale, level in self._pyramid(pil):
                 if keep_levels:
                     sources[-1].append(level)
-                prob, reg = self.pnet.run(None, {"image": _normalize(np.asarray(level)[None])})
+                prob, reg = run_mtcnn_net(self.pnet, np.asarray(level)[None])
                 found = self._pnet_boxes(prob[0], reg[0], scale)
                 if len(found):
                     per_scale.append(found[nms(found[:, :4], found[:, 4], self.nms_thresholds[0])])
@@ -366,10 +413,7 @@ class MTCNNDetector:
 
     @staticmethod
     def _run_net(session, crops: np.ndarray, chunk: int = 1024) -> list[np.ndarray]:
-        outs = [
-            session.run(None, {"image": _normalize(crops[i : i + chunk])})
-            for i in range(0, len(crops), chunk)
-        ]
+        outs = [run_mtcnn_net(session, crops[i : i + chunk]) for i in range(0, len(crops), chunk)]
         return [np.concatenate(parts) for parts in zip(*outs, strict=True)]
 
     def _stage_rnet(self, sources, boxes: np.ndarray, groups: np.ndarray):

@@ -69,15 +69,17 @@ _BN_EPS = 2.0**-10
 
 
 class _BatchNormPReLU(torch.nn.Module):
-    """PReLU written as ``(1 - a) * relu(x) + a * x``, both products as inference BatchNorms.
+    """PReLU written as ``x + (1 - a) * relu(-x)``, both products as inference BatchNorms.
 
     The same numbers as ``nn.PReLU`` (to float rounding), but a graph ONNX Runtime's CPU provider
     keeps in its blocked NCHWc layout from the first convolution to the last: it turns each
-    BatchNormalization into a 1x1 depthwise NchwcConv and folds the Add into it. ONNX Runtime's
-    own PRelu kernel took 40-75% of these networks' time, and the earlier form
+    BatchNormalization into a 1x1 depthwise NchwcConv, fuses the Relu into the first and the Add
+    into the second. ONNX Runtime's own PRelu kernel took 40-75% of these networks' time; the form
     ``relu(x) + a * min(x, 0)`` left the layout around every PReLU (two ReorderOutput and one
-    ReorderInput each, for the per-channel Mul and the Clip); this form is 1.3x (batch 1) to 1.8x
-    (batch 32) faster again on MobileFaceNet (bench/README.md).
+    ReorderInput each, for the per-channel Mul and the Clip); ``(1 - a) * relu(x) + a * x`` stayed
+    blocked but left its Relu unfused (the convolution's output had two readers), a pass of its
+    own that took 13% of P-Net's time. This form is two passes instead of three: P-Net 8-10% faster
+    again on phone photos (docs/face_path.md).
     """
 
     def __init__(self, prelu: torch.nn.PReLU) -> None:
@@ -90,9 +92,9 @@ class _BatchNormPReLU(torch.nn.Module):
         zeros = torch.zeros_like(slope)
         # Variance 1 - eps, so that the normaliser sqrt(var + eps) is 1.
         unit_var = torch.full_like(slope, 1.0 - _BN_EPS)
-        positive = F.batch_norm(torch.relu(x), zeros, unit_var, 1.0 - slope, zeros, False, 0.0, _BN_EPS)
-        linear = F.batch_norm(x, zeros, unit_var, slope, zeros, False, 0.0, _BN_EPS)
-        return positive + linear
+        minus_one = torch.full_like(slope, -1.0)
+        negative_part = torch.relu(F.batch_norm(x, zeros, unit_var, minus_one, zeros, False, 0.0, _BN_EPS))
+        return x + F.batch_norm(negative_part, zeros, unit_var, 1.0 - slope, zeros, False, 0.0, _BN_EPS)
 
 
 def for_onnx_export(module: torch.nn.Module) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from models.image import decode_image, read_image
-from models.mtcnn import DetectedFace, MTCNNDetector, nms, select_faces
+from models.mtcnn import PYRAMID_CASCADE_MIN_PIXELS, DetectedFace, MTCNNDetector, nms, select_faces
 from tests.conftest import REPO_ROOT, require_path
 
 FNP_WHEEL = REPO_ROOT / ".cache" / "wheels" / "facenet_pytorch-2.6.0-py3-none-any.whl"
@@ -169,17 +169,89 @@ def test_conversion_from_the_wheel_reproduces_the_shipped_onnx_files(tmp_path):
     require_path(FNP_WHEEL, "run `make install`: it downloads the facenet-pytorch wheel")
     import onnxruntime as ort
 
-    from models.mtcnn_convert import DEFAULT_MTCNN_DIR, convert_mtcnn
+    from models.mtcnn_convert import DEFAULT_MTCNN_DIR, PIXELS_INPUT, convert_mtcnn
 
     written = convert_mtcnn(FNP_WHEEL, tmp_path)
     rng = np.random.default_rng(0)
-    shapes = {"pnet": (2, 3, 37, 45), "rnet": (4, 3, 24, 24), "onet": (4, 3, 48, 48)}
+    shapes = {"pnet": (2, 37, 45, 3), "rnet": (4, 24, 24, 3), "onet": (4, 48, 48, 3)}
     for path in written:
-        x = rng.uniform(-1, 1, size=shapes[path.stem]).astype(np.float32)
+        pixels = rng.integers(0, 256, size=shapes[path.stem], dtype=np.uint8)
         new = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         shipped = ort.InferenceSession(str(DEFAULT_MTCNN_DIR / path.name), providers=["CPUExecutionProvider"])
-        for a, b in zip(new.run(None, {"image": x}), shipped.run(None, {"image": x}), strict=True):
+        assert [i.name for i in shipped.get_inputs()] == [PIXELS_INPUT]
+        feed = {PIXELS_INPUT: pixels}
+        for a, b in zip(new.run(None, feed), shipped.run(None, feed), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _random_net(name: str):
+    """An MTCNN net with random weights and PReLU slopes on both sides of 0 and 1."""
+    torch = pytest.importorskip("torch")
+    from models.nets.mtcnn import ONet, PNet, RNet
+
+    torch.manual_seed(0)
+    net = {"pnet": PNet, "rnet": RNet, "onet": ONet}[name]().eval()
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, torch.nn.PReLU):
+                module.weight.uniform_(-0.5, 1.5)
+    return net
+
+
+@pytest.mark.parametrize("name", ["pnet", "rnet", "onet"])
+def test_the_network_written_to_onnx_gives_the_same_outputs_from_pixels(name):
+    """Folded input normalisation, uint8 NHWC input, P-Net's one head with a sigmoid and the
+    fused-Relu PReLU (models.mtcnn_convert.network_for_export) change no output."""
+    torch = pytest.importorskip("torch")
+    from models.mtcnn_convert import network_for_export, normalise_pixels
+
+    net = _random_net(name)
+    shape = {"pnet": (3, 37, 45, 3), "rnet": (5, 24, 24, 3), "onet": (5, 48, 48, 3)}[name]
+    pixels = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    with torch.no_grad():
+        expected = net(normalise_pixels(pixels))
+        got = network_for_export(name, net)(pixels)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    # The slope matters: with the PReLUs made plain ReLUs the outputs would differ.
+    assert float((expected[1] - got[1]).abs().max()) < 2e-5 < float(expected[1].abs().max())
+
+
+@pytest.mark.slow
+def test_weights_converted_before_the_pixel_input_still_run(tmp_path):
+    """A P-Net file from before the pixel input (``image``: normalised float32 NCHW) gives the
+    same outputs through run_mtcnn_net as the shipped one."""
+    torch = pytest.importorskip("torch")
+    from torch.export import Dim
+
+    from models.mtcnn import run_mtcnn_net
+    from models.mtcnn_convert import _read_state_dicts
+    from models.nets.mtcnn import PNet
+    from models.onnx_export import for_onnx_export
+    from models.runtime import create_session
+
+    require_path(FNP_WHEEL, "run `make install`: it downloads the facenet-pytorch wheel")
+    net = PNet().eval()
+    net.load_state_dict(_read_state_dicts(FNP_WHEEL)["pnet"])
+    program = torch.onnx.export(
+        for_onnx_export(net),
+        (torch.zeros((2, 3, 48, 64)),),
+        input_names=["image"],
+        output_names=["prob", "reg"],
+        dynamic_shapes=({0: Dim("n"), 2: Dim("h", min=12), 3: Dim("w", min=12)},),
+        dynamo=True,
+        verbose=False,
+    )
+    program.save(str(tmp_path / "pnet.onnx"))
+    old = create_session(tmp_path / "pnet.onnx", "cpu")
+    assert old.get_inputs()[0].name == "image"
+    level = np.random.default_rng(0).integers(0, 256, (1, 72, 96, 3), dtype=np.uint8)
+    outputs = run_mtcnn_net(old, level), run_mtcnn_net(MTCNNDetector().pnet, level)
+    for a, b in zip(*outputs, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 @pytest.mark.shared_data
@@ -206,7 +278,8 @@ def test_a_max_image_side_finds_the_same_faces_in_large_photos_with_a_smaller_py
 @pytest.mark.shared_data
 def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos_dir, monkeypatch):
     """Levels resized from a 3x larger level instead of the photo: same faces, landmarks within 5%
-    of the face width (median far less), and photos under 1 MP keep exactly the old pyramid."""
+    of the face width (median far less), and photos under PYRAMID_CASCADE_MIN_PIXELS keep exactly the
+    old pyramid."""
     cascaded = MTCNNDetector(max_image_side=1024, intra_op_threads=1)
     from_photo = MTCNNDetector(max_image_side=1024, intra_op_threads=1, pyramid_oversampling=None)
     read = {"pixels": 0}
@@ -228,7 +301,7 @@ def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos
                 list(detector._pyramid(pil))
             counts.append(read["pixels"])
         a, b = from_photo.detect(image), cascaded.detect(image)
-        if image.shape[0] * image.shape[1] < 1_000_000:
+        if image.shape[0] * image.shape[1] < PYRAMID_CASCADE_MIN_PIXELS:
             assert counts[0] == counts[1], path.name
             assert [f.box.tolist() for f in a] == [f.box.tolist() for f in b], path.name
             continue
@@ -240,6 +313,23 @@ def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos
             diffs.append(np.abs(partner.landmarks - face.landmarks).max() / (face.box[2] - face.box[0]))
     assert large >= 5
     assert max(diffs) < 0.05 and np.median(diffs) < 0.02, diffs
+
+
+@pytest.mark.shared_data
+def test_pyramid_levels_resized_in_threads_are_the_pixels_of_the_serial_pyramid(photos_dir):
+    from models.mtcnn import PYRAMID_PARALLEL_MIN_PIXELS
+
+    threaded, serial = MTCNNDetector(intra_op_threads=2), MTCNNDetector(intra_op_threads=1)
+    assert threaded._resize_pool is not None and serial._resize_pool is None
+    sizes = []
+    for path in _photos(photos_dir):
+        pil = Image.fromarray(read_image(path, max_pixels=50_000_000))
+        sizes.append(pil.size[0] * pil.size[1])
+        a, b = list(threaded._pyramid(pil)), list(serial._pyramid(pil))
+        assert [s for s, _ in a] == [s for s, _ in b], path.name
+        for (_, x), (_, y) in zip(a, b, strict=True):
+            assert x.size == y.size and x.tobytes() == y.tobytes(), path.name
+    assert sum(n >= PYRAMID_PARALLEL_MIN_PIXELS for n in sizes) >= 10
 
 
 @pytest.mark.parametrize("name", ["pnet", "rnet"])
@@ -285,5 +375,10 @@ def test_shipped_networks_run_in_onnx_runtimes_blocked_layout(name, tmp_path):
     assert not any(
         n.op_type in ("MaxPool", "BatchNormalization", "Mul", "Clip") and not n.domain for n in convolutional
     )
+    # Each PReLU's Relu is fused into a blocked convolution: no pass of its own.
+    assert not any(n.op_type == "Relu" for n in convolutional), [n.name for n in convolutional]
+    if name == "pnet":  # one head, a sigmoid of one channel instead of a softmax over the map
+        assert not any(n.op_type == "Softmax" for n in nodes)
+        assert sum(n.op_type == "Conv" for n in nodes) == 4 + 2 * 3  # 4 convolutions, 3 PReLUs
     assert sum(n.op_type == "ReorderInput" for n in nodes) == 0
     assert sum(n.op_type == "ReorderOutput" for n in nodes) <= 2
