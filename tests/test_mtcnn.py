@@ -134,6 +134,22 @@ def test_wrong_image_layout_is_rejected(detector):
         detector.detect(np.zeros((50, 50), dtype=np.uint8))
 
 
+@pytest.mark.parametrize("mode", ["union", "min"])
+def test_nms_over_all_pairs_at_once_keeps_the_boxes_of_the_one_at_a_time_loop(mode):
+    from models.mtcnn import _nms_loop
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 30, 300, 1000):
+        corner = rng.uniform(0, 200, (n, 2))
+        boxes = np.concatenate([corner, corner + rng.uniform(-2, 60, (n, 2))], axis=1)  # some degenerate
+        scores = np.round(rng.uniform(0.6, 1.0, n), 2)  # ties, as P-Net's rounded scores can have
+        for threshold in (0.3, 0.5, 0.7):
+            loop = _nms_loop(boxes, scores, threshold, mode)
+            assert nms(boxes, scores, threshold, mode).tolist() == loop.tolist()
+            if n >= 300:
+                assert 0 < len(loop) < n  # the case suppresses some boxes and keeps others
+
+
 def test_nms_keeps_the_best_of_overlapping_boxes():
     boxes = np.array([[0, 0, 9, 9], [1, 1, 10, 10], [50, 50, 59, 59]], dtype=float)
     scores = np.array([0.8, 0.9, 0.7])
