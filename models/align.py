@@ -125,21 +125,35 @@ def warp_affine(image: np.ndarray, matrix: np.ndarray, height: int, width: int) 
 
 def _bilinear_sample(image: np.ndarray, src_x: np.ndarray, src_y: np.ndarray) -> np.ndarray:
     h, w = image.shape[:2]
-    # Pad by one black pixel so out-of-image neighbours read 0 without per-pixel branches.
-    padded = np.zeros((h + 2, w + 2) + image.shape[2:], dtype=np.float32)
-    padded[1:-1, 1:-1] = image
     x0 = np.floor(src_x)
     y0 = np.floor(src_y)
     fx = (src_x - x0)[..., None].astype(np.float32)
     fy = (src_y - y0)[..., None].astype(np.float32)
-    # Indices into the padded image; anything beyond one pixel outside clamps onto the border.
+    # Indices into the image padded by one black pixel on each side (so out-of-image neighbours
+    # read 0 without per-pixel branches); anything beyond one pixel outside clamps onto the border.
     xi = np.clip(x0.astype(np.int64) + 1, 0, w + 1)
     yi = np.clip(y0.astype(np.int64) + 1, 0, h + 1)
     xj = np.clip(x0.astype(np.int64) + 2, 0, w + 1)
     yj = np.clip(y0.astype(np.int64) + 2, 0, h + 1)
-    top = padded[yi, xi] * (1 - fx) + padded[yi, xj] * fx
-    bottom = padded[yj, xi] * (1 - fx) + padded[yj, xj] * fx
-    out = top * (1 - fy) + bottom * fy
+    # Only the window the samples read is padded, not the whole photo (a face crop reads a few
+    # hundred pixels across; a phone photo has millions), and only the pixels read become floats.
+    top, left = int(yi.min()), int(xi.min())
+    window = np.zeros((int(yj.max()) - top + 1, int(xj.max()) - left + 1) + image.shape[2:], image.dtype)
+    rows = slice(max(top, 1), min(top + window.shape[0], h + 1))
+    cols = slice(max(left, 1), min(left + window.shape[1], w + 1))
+    window[rows.start - top : rows.stop - top, cols.start - left : cols.stop - left] = image[
+        rows.start - 1 : rows.stop - 1, cols.start - 1 : cols.stop - 1
+    ]
+    stride = window.shape[1]
+    pixels = window.reshape(window.shape[0] * stride, -1)
+    xi, xj, yi, yj = xi - left, xj - left, (yi - top) * stride, (yj - top) * stride
+
+    def read(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return pixels.take(y + x, axis=0).astype(np.float32)
+
+    upper = read(yi, xi) * (1 - fx) + read(yi, xj) * fx
+    lower = read(yj, xi) * (1 - fx) + read(yj, xj) * fx
+    out = upper * (1 - fy) + lower * fy
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 

@@ -105,3 +105,38 @@ def test_arcface_template_is_the_sphereface_template_shifted_8px():
     assert get_template("arcface_112x112") is ARCFACE_TEMPLATE_112x112
     with pytest.raises(ValueError, match="unknown alignment template"):
         get_template("nope")
+
+
+def _bilinear_reference(image: np.ndarray, matrix: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear warp one crop pixel at a time: outside pixels read 0 (float64, then rounded)."""
+    inverse = np.linalg.inv(np.vstack([matrix, [0.0, 0.0, 1.0]]))[:2]
+    h, w = image.shape[:2]
+
+    def pixel(y: int, x: int) -> np.ndarray:
+        return image[y, x].astype(np.float64) if 0 <= y < h and 0 <= x < w else np.zeros(image.shape[2])
+
+    out = np.zeros((height, width, image.shape[2]))
+    for v in range(height):
+        for u in range(width):
+            sx, sy = inverse @ np.array([u, v, 1.0])
+            x0, y0 = int(np.floor(sx)), int(np.floor(sy))
+            fx, fy = sx - x0, sy - y0
+            top = pixel(y0, x0) * (1 - fx) + pixel(y0, x0 + 1) * fx
+            bottom = pixel(y0 + 1, x0) * (1 - fx) + pixel(y0 + 1, x0 + 1) * fx
+            out[v, u] = top * (1 - fy) + bottom * fy
+    return out
+
+
+def test_warp_reads_only_the_window_it_needs_and_matches_a_pixel_by_pixel_warp():
+    """Crops inside a large photo, across its border and wholly outside it: the windowed warp
+    gives a per-pixel bilinear warp's values (float32 against float64: within one grey level)."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    for scale, angle, shift in [(0.5, 0.3, (-20, -30)), (2.0, -1.0, (10, 350)), (1.0, 0.0, (-500, -500))]:
+        c, s = scale * np.cos(angle), scale * np.sin(angle)
+        matrix = np.array([[c, -s, shift[0]], [s, c, shift[1]]])
+        got = warp_affine(image, matrix, 28, 24).astype(int)
+        want = _bilinear_reference(image, matrix, 28, 24)
+        assert np.abs(got - want).max() <= 1
+        assert np.mean(got == np.rint(want)) > 0.99
+    assert not warp_affine(image, np.array([[1.0, 0, -1000], [0, 1.0, -1000]]), 8, 8).any()
