@@ -277,3 +277,33 @@ def test_energy_by_class_frequency_matches_a_direct_loop() -> None:
     assert got["five_or_more_photos"] == pytest.approx(per_class[[2, 3]].mean(), rel=1e-9)
     assert got["among_two_photo_classes"] == pytest.approx(among_rare, rel=1e-9)
     assert got["all"] == pytest.approx(float(mhe_energy(torch.from_numpy(w))), rel=1e-5)  # MHE_EPS
+
+
+def test_caffe_among_form_gives_the_released_layers_update_to_the_batch_neurons_only() -> None:
+    """The InterClass layer (type AMONG) of the authors' Caffe, written out as its kernels do: D
+    over all neurons and the batch's labels, then -4/(M D^2 + 1e-5) (w_y - w_mean) per sample."""
+    from training.losses import SphereFacePlusHead, caffe_among_distance, caffe_among_mhe_loss
+
+    torch.manual_seed(0)
+    weights = torch.randn(7, 5, requires_grad=True)
+    labels = torch.tensor([1, 4, 4, 0, 6])  # a class twice: its two updates add up
+    term = caffe_among_mhe_loss(weights, labels)
+    assert term.item() == 0.0
+    (grad,) = torch.autograd.grad(term, weights)
+
+    w = torch.nn.functional.normalize(weights.detach().double(), dim=1)
+    n, m = w.shape[0], len(labels)
+    distance = sum(float(((w[i] - w[y]) ** 2).sum()) for i in range(n) for y in labels.tolist()) / n
+    assert caffe_among_distance(weights, labels).item() == pytest.approx(distance, rel=1e-6)
+    expected = torch.zeros_like(w)
+    coefficient = -4.0 / (m * distance**2 + 1e-5)
+    for y in labels.tolist():
+        expected[y] += coefficient * (w[y] - w.mean(0))
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-5, atol=1e-9)
+    assert grad[[2, 3, 5]].abs().max() == 0  # neurons of classes not in the batch do not move
+
+    head = SphereFacePlusHead(5, 7, m=4, lambda_schedule=5.0, mhe_weight=10.0, mhe_form="caffe_among")
+    term, logged = head.mhe_term(labels)
+    assert term.item() == 0.0 and logged.item() == pytest.approx(caffe_among_distance(head.weight, labels).item())
+    with pytest.raises(ValueError, match="mhe_form"):
+        SphereFacePlusHead(5, 7, mhe_form="caffe")

@@ -305,13 +305,21 @@ class ModifiedSoftmaxHead(ASoftmaxHead):
         super().__init__(embedding_size, num_classes, m=1, lambda_schedule=None)
 
 
+#: SphereFace+'s MHE term (``mhe_form``): ``"eq5.8"``, the thesis' Eq. 5.8 (the default), or
+#: ``"caffe_among"``, the gradient of the authors' released Caffe layer (:func:`caffe_among_mhe_loss`).
+MHE_FORMS = ("eq5.8", "caffe_among")
+
+
 class SphereFacePlusHead(ASoftmaxHead):
     """SphereFace+ (Eq. 5.8): A-Softmax + ``mhe_weight`` x output-layer MHE (mini-batch form).
 
     The MHE term is :func:`output_mhe_loss` over the normalised classifier neurons:
     ``1/(B (C-1)) sum_i sum_{j != y_i} f_s(d(w_{y_i}, w_j))``. Defaults follow the papers
     (full-space, Euclidean, ``s = 2``, weight ``lambda_o = 1``; the authors' Caffe finetune used 10).
-    ``extras``: ``{"lambda", "mhe" (unweighted term), "ce" (A-Softmax loss)}``.
+    ``mhe_form="caffe_among"`` replaces the term by the released Caffe layer's update
+    (:func:`caffe_among_mhe_loss`; ``mhe_power`` and ``mhe_distance`` do not apply to it).
+    ``extras``: ``{"lambda", "mhe" (unweighted term; for the Caffe form the layer's output D),
+    "ce" (A-Softmax loss)}``.
     """
 
     def __init__(
@@ -323,20 +331,32 @@ class SphereFacePlusHead(ASoftmaxHead):
         mhe_weight: float = 1.0,
         mhe_power: int = 2,
         mhe_distance: str = "euclidean",
+        mhe_form: str = "eq5.8",
     ) -> None:
         super().__init__(embedding_size, num_classes, m=m, lambda_schedule=lambda_schedule)
         _check_kernel(mhe_power, mhe_distance)
+        if mhe_form not in MHE_FORMS:
+            raise ValueError(f"unknown mhe_form {mhe_form!r}: use one of {', '.join(MHE_FORMS)}")
         self.mhe_weight = float(mhe_weight)
         self.mhe_power = mhe_power
         self.mhe_distance = mhe_distance
+        self.mhe_form = mhe_form
+
+    def mhe_term(self, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(the unweighted term added to the loss, the number logged as ``mhe``) for a batch."""
+        weight = self.weight.float()
+        if self.mhe_form == "caffe_among":
+            return caffe_among_mhe_loss(weight, labels), caffe_among_distance(weight, labels)
+        term = output_mhe_loss(weight, labels, self.mhe_power, self.mhe_distance)
+        return term, term.detach()
 
     def forward(self, features: Tensor, labels: Tensor, step: int = 0) -> HeadOutput:
         """``features`` (N, D), ``labels`` (N,) int64 in [0, C), ``step``: optimiser step for lambda."""
         asoftmax = super().forward(features, labels, step)
         with _autocast_off(features):
-            mhe = output_mhe_loss(self.weight.float(), labels, self.mhe_power, self.mhe_distance)
+            mhe, logged = self.mhe_term(labels)
         loss = asoftmax.loss + self.mhe_weight * mhe  # Eq. 5.8
-        extras = {**asoftmax.extras, "mhe": mhe.detach(), "ce": asoftmax.loss.detach()}
+        extras = {**asoftmax.extras, "mhe": logged, "ce": asoftmax.loss.detach()}
         return HeadOutput(loss=loss, logits=asoftmax.logits, extras=extras)
 
 
@@ -613,6 +633,36 @@ def output_mhe_loss(weights: Tensor, labels: Tensor, power: int = 2, distance: s
     kernel = _kernel_from_cos(w[labels] @ w.t(), power, distance)  # (B, C)
     own = F.one_hot(labels, num_classes).bool()
     return kernel.masked_fill(own, 0.0).sum() / (labels.numel() * (num_classes - 1))  # Eq. 5.8
+
+
+def caffe_among_distance(weights: Tensor, labels: Tensor) -> Tensor:
+    """The released Caffe ``InterClass`` layer's output (type AMONG, its mini-batch kernels):
+    ``D = (1/N) sum_i sum_j ||w_i - w_{y_j}||^2`` over all N normalised neurons and the batch's M
+    labels (about ``2 M`` for spread-out unit neurons). Detached."""
+    w = F.normalize(weights.detach(), dim=1)
+    batch = w[labels]
+    total = labels.numel() * (w * w).sum() + w.shape[0] * (batch * batch).sum()
+    return (total - 2 * w.sum(0) @ batch.sum(0)) / w.shape[0]
+
+
+def caffe_among_mhe_loss(weights: Tensor, labels: Tensor) -> Tensor:
+    """A term whose gradient is the update of the authors' released Caffe ``InterClass`` layer
+    (``tools/caffe-sfplus``, type AMONG, as ``sfplus_model.prototxt`` uses it), and whose value is 0.
+
+    That layer does not differentiate Eq. 5.8. Its backward adds, for each sample j of the batch,
+    ``-4 / (M D^2 + 1e-5) * (w_{y_j} - w_mean)`` to the gradient of the sample's own neuron and
+    nothing to any other neuron (D: :func:`caffe_among_distance`; ``w_mean``: the mean of all
+    neurons): it pushes the batch's neurons away from the mean neuron. For unit neurons D is
+    about 2M, so the step shrinks as ``1 / M^3``. In Caffe the neurons are unit vectors (the
+    A-Softmax layer normalises the shared blob in place); here the normalised rows give D, the
+    mean and the direction, and the update goes to the raw rows. The layer recomputes D every
+    10 iterations; here every call. SPEC §3.10 asks for Eq. 5.8 with this form as an option.
+    """
+    w = F.normalize(weights.detach(), dim=1)
+    coefficient = 4.0 / (labels.numel() * caffe_among_distance(weights, labels) ** 2 + 1e-5)
+    update = -coefficient * (w[labels] - w.mean(0))  # (M, K): the gradient on each w_{y_j}
+    surrogate = (weights[labels] * update).sum()
+    return surrogate - surrogate.detach()
 
 
 class HiddenMHE:

@@ -3,6 +3,7 @@
 Two measures, for each run given:
 
 - **Gradient:** for random batches of the training data, the gradient of the weighted MHE term
+  (Eq. 5.8, or the released Caffe layer's update when the config sets ``mhe_form = "caffe_among"``)
   and of the A-Softmax loss (Eq. 2.20, λ at the config's floor) with respect to the classifier
   rows of the batch's classes: the ratio of their norms and the cosine between them. A ratio of
   0.01 means MHE moves those neurons 1% as far as the classification loss does.
@@ -32,7 +33,7 @@ from torch import nn
 
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import to_network_input
-from training.losses import ASoftmaxHead, SphereFacePlusHead, output_mhe_loss
+from training.losses import ASoftmaxHead, SphereFacePlusHead
 
 
 @dataclass
@@ -51,7 +52,7 @@ def compare_gradients(
     floor_step = 10**9  # λ at its floor, as at the end of a run
     asoftmax = ASoftmaxHead.forward(head, features, labels, step=floor_step).loss
     grad_asoftmax = torch.autograd.grad(asoftmax, head.weight)[0]
-    mhe = head.mhe_weight * output_mhe_loss(head.weight, labels, head.mhe_power, head.mhe_distance)
+    mhe = head.mhe_weight * head.mhe_term(labels)[0]
     grad_mhe = torch.autograd.grad(mhe, head.weight)[0]
     rows = torch.unique(labels)
     a, m = grad_asoftmax[rows].flatten(), grad_mhe[rows].flatten()
@@ -118,9 +119,9 @@ def _gradient_report(run: str, config: TrainConfig, images: np.ndarray, labels: 
     ratios, cosines = [r.ratio for r in results], [r.cosine for r in results]
     energy = energy_by_class_frequency(head.weight, np.bincount(labels, minlength=head.weight.shape[0]))
     gradient = (
-        f"MHE weight {head.mhe_weight:g}: ||grad MHE|| / ||grad A-Softmax|| on the batch's classifier "
-        f"rows {min(ratios):.4f} / {float(np.median(ratios)):.4f} / {max(ratios):.4f} (min / median / max "
-        f"of {len(results)} batches), cosine {min(cosines):.3f} to {max(cosines):.3f}"
+        f"MHE weight {head.mhe_weight:g} ({head.mhe_form}): ||grad MHE|| / ||grad A-Softmax|| on the "
+        f"batch's classifier rows {min(ratios):.4f} / {float(np.median(ratios)):.4f} / {max(ratios):.4f} "
+        f"(min / median / max of {len(results)} batches), cosine {min(cosines):.3f} to {max(cosines):.3f}"
     )
     spread = (
         "E2 over all classes {all:.5f}, photo-weighted {photo_weighted:.5f}, 2-photo classes "
@@ -128,7 +129,14 @@ def _gradient_report(run: str, config: TrainConfig, images: np.ndarray, labels: 
         "{among_two_photo_classes:.5f}"
     ).format(**energy)
     print(f"{run}\n  {gradient}\n  {spread}")
-    return {"run": run, "mhe_weight": head.mhe_weight, "ratios": ratios, "cosines": cosines, "energy": energy}
+    return {
+        "run": run,
+        "mhe_weight": head.mhe_weight,
+        "mhe_form": head.mhe_form,
+        "ratios": ratios,
+        "cosines": cosines,
+        "energy": energy,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
