@@ -174,6 +174,9 @@ loss-table: prepare-celeba
 	$(BIN)/python -m training.loss_table $(SFPLUS_RUNS) --plot docs/results/loss_table_curves_sphereface_plus.png
 	$(BIN)/python -m training.mhe_diagnostics $(filter-out %_m2_mhe10,$(SFPLUS_RUNS)) \
 		--config training/configs/celeba_more/sf4_sphereface_plus_finetune.toml --json docs/results/mhe_diagnostics.json
+	$(BIN)/python -m training.mhe_diagnostics $(addprefix runs/celeba_more/,sf4_asoftmax_m4_finetune \
+		sf4_sphereface_plus_finetune sf4_sphereface_plus_caffe_finetune) \
+		--config training/configs/celeba_more/sf4_sphereface_plus_caffe_finetune.toml --json docs/results/mhe_diagnostics_caffe.json
 
 # docs/opt.md: the OPT and CoMHE CIFAR-10 runs (22 runs of CNN-6, 3 to 14 minutes each on one core)
 # and two SphereFace-4 face runs on the CelebA sets (OPT-CP and RP-CoMHE, 25 and 35 minutes), two at a

@@ -304,6 +304,7 @@ def test_caffe_among_form_gives_the_released_layers_update_to_the_batch_neurons_
 
     head = SphereFacePlusHead(5, 7, m=4, lambda_schedule=5.0, mhe_weight=10.0, mhe_form="caffe_among")
     term, logged = head.mhe_term(labels)
-    assert term.item() == 0.0 and logged.item() == pytest.approx(caffe_among_distance(head.weight, labels).item())
+    assert term.item() == 0.0
+    assert logged.item() == pytest.approx(caffe_among_distance(head.weight, labels).item())
     with pytest.raises(ValueError, match="mhe_form"):
         SphereFacePlusHead(5, 7, mhe_form="caffe")

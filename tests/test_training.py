@@ -504,19 +504,20 @@ def test_loss_table_reads_finished_runs_in_paper_order_with_megaface_rank1(tmp_p
         run("m4s1", "asoftmax", {"m": 4}, 1, 0.83, 0.25),
         run("soft", "softmax", {}, 0, 0.80, 0.125),
         run("plus10", "sphereface_plus", {"m": 4, "mhe_weight": 10.0}, 0, 0.82, 0.2),
+        run("caffe", "sphereface_plus", {"m": 4, "mhe_weight": 10, "mhe_form": "caffe_among"}, 0, 0.82, 0.2),
         run("plus01", "sphereface_plus", {"m": 4, "mhe_weight": 0.1}, 0, 0.82, 0.2),
         run("plus_m2", "sphereface_plus", {"m": 2, "mhe_weight": 10.0}, 0, 0.82, 0.2),
     ])  # fmt: skip
     assert [r["loss"] for r in rows] == [
         "softmax", "A-Softmax m = 4, seed 1", "SphereFace+ (m = 2, MHE weight 10.0)",
         "SphereFace+ (m = 4, MHE weight 0.1)", "SphereFace+ (m = 4, MHE weight 10.0)",
-        "ArcFace (s = 30, m = 0.5)",
+        "SphereFace+ (m = 4, MHE weight 10, the Caffe layer's update)", "ArcFace (s = 30, m = 0.5)",
     ]  # fmt: skip
     assert rows[1]["megaface_local_rank1"] == 0.25 and rows[1]["megaface_distractors"] == 10318
     table = markdown(rows).splitlines()
     assert table[3].startswith("| A-Softmax m = 4, seed 1 | 83.00 ± 1.00 | 25.00 | 0.3000 |")
     assert table[3].endswith("| 90.0 | 21.5 |")
-    assert "| – |" in table[7]  # no MegaFace report for the ArcFace run
+    assert "| – |" in table[8]  # no MegaFace report for the ArcFace run
     (tmp_path / "unfinished").mkdir()
     with pytest.raises(FileNotFoundError, match="has not finished"):
         collect([tmp_path / "unfinished"])

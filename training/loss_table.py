@@ -59,7 +59,8 @@ def _head_label(summary: dict[str, Any]) -> str:
     if head == "asoftmax":
         return f"A-Softmax m = {options.get('m', 4)}"
     if head == "sphereface_plus":
-        return f"SphereFace+ (m = {options.get('m', 4)}, MHE weight {options.get('mhe_weight', 1.0)})"
+        form = ", the Caffe layer's update" if options.get("mhe_form") == "caffe_among" else ""
+        return f"SphereFace+ (m = {options.get('m', 4)}, MHE weight {options.get('mhe_weight', 1.0)}{form})"
     if head == "cosface":
         return f"CosFace (s = {options.get('scale', 30.0):g}, m = {options.get('margin', 0.35):g})"
     if head == "arcface":

@@ -120,7 +120,7 @@ def _gradient_report(run: str, config: TrainConfig, images: np.ndarray, labels: 
     energy = energy_by_class_frequency(head.weight, np.bincount(labels, minlength=head.weight.shape[0]))
     gradient = (
         f"MHE weight {head.mhe_weight:g} ({head.mhe_form}): ||grad MHE|| / ||grad A-Softmax|| on the "
-        f"batch's classifier rows {min(ratios):.4f} / {float(np.median(ratios)):.4f} / {max(ratios):.4f} "
+        f"batch's classifier rows {min(ratios):.3g} / {float(np.median(ratios)):.3g} / {max(ratios):.3g} "
         f"(min / median / max of {len(results)} batches), cosine {min(cosines):.3f} to {max(cosines):.3f}"
     )
     spread = (
