@@ -60,6 +60,7 @@ from models.embedder import Embedder, preprocess  # noqa: E402
 from models.image import read_image  # noqa: E402
 from models.manifest import MANIFEST_NAME, MODEL_NAME  # noqa: E402
 from models.mtcnn import MTCNNDetector, run_mtcnn_net  # noqa: E402
+from models.mtcnn_convert import normalise_pixels  # noqa: E402
 
 FNP_VERSION = "2.6.0"
 DEFAULT_WHEEL = REPO / ".cache" / "wheels" / f"facenet_pytorch-{FNP_VERSION}-py3-none-any.whl"
@@ -580,10 +581,7 @@ def mtcnn_weight_parity(det: MTCNNDetector, fnp) -> dict[str, float]:
     def both(session, torch_net, shape):
         pixels = rng.integers(0, 256, shape, dtype=np.uint8)
         ours = run_mtcnn_net(session, pixels)
-        x = torch.from_numpy(
-            np.ascontiguousarray(((pixels - 127.5) / 128).astype(np.float32).transpose(0, 3, 1, 2))
-        )
-        return ours, [t.numpy() for t in torch_net(x)]
+        return ours, [t.numpy() for t in torch_net(normalise_pixels(torch.from_numpy(pixels)))]
 
     def diff(a, b):
         return float(np.abs(a - b).max())

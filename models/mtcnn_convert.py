@@ -111,59 +111,26 @@ def fold_input_normalisation(net):
     return folded.eval()
 
 
-def _pixel_input(net):
-    """``net`` on uint8 ``(N, H, W, 3)`` pixels: the cast and the NCHW transpose run inside the
-    graph (one pass in ONNX Runtime instead of three NumPy passes over every pyramid level)."""
-    import torch
-
-    class PixelInput(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, pixels: torch.Tensor):
-            return self.net(pixels.permute(0, 3, 1, 2).float())
-
-    return PixelInput().eval()
-
-
 def pnet_with_one_head(net):
-    """P-Net whose two 1x1 heads are one convolution of 5 channels: the difference of the two
-    face logits, then the 4 box offsets. ``prob`` is the sigmoid of that difference, which is
-    ``softmax(logits)[:, 1]``: ONNX Runtime's Softmax over the channel axis of the whole map, and
-    the second head's pass over it, took 13% of P-Net's time on phone photos."""
-    import torch
+    """P-Net whose two 1x1 heads are one convolution (:class:`models.nets.mtcnn.OneHeadPNet`): the
+    sigmoid of the logits' difference instead of ONNX Runtime's Softmax over the channel axis of
+    the whole map, and one head pass instead of two (together 13% of P-Net's time on phone
+    photos)."""
+    from models.nets.mtcnn import OneHeadPNet
 
-    face, box = net.conv4_1, net.conv4_2
-    head = torch.nn.Conv2d(face.in_channels, 1 + box.out_channels, 1)
-    with torch.no_grad():
-        head.weight.copy_(torch.cat([face.weight[1:2] - face.weight[0:1], box.weight]))
-        head.bias.copy_(torch.cat([face.bias[1:2] - face.bias[0:1], box.bias]))
-
-    class OneHeadPNet(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body, self.head = net, head
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            n = self.body
-            x = n.pool1(n.prelu1(n.conv1(x)))
-            x = n.prelu3(n.conv3(n.prelu2(n.conv2(x))))
-            out = self.head(x)
-            return torch.sigmoid(out[:, 0]), out[:, 1:]
-
-    return OneHeadPNet().eval()
+    return OneHeadPNet(net).eval()
 
 
 def network_for_export(name: str, net):
     """The network as it is written to ONNX: the same outputs as ``net`` on normalised input, from
     uint8 pixels, in a form ONNX Runtime runs fast (see the functions it calls)."""
+    from models.nets.mtcnn import PixelInput
     from models.onnx_export import for_onnx_export
 
     net = pad_first_block_for_nchwc(fold_input_normalisation(net))
     if name == "pnet":
         net = pnet_with_one_head(net)
-    return for_onnx_export(_pixel_input(net))
+    return for_onnx_export(PixelInput(net).eval())
 
 
 def convert_mtcnn(source: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -29,13 +29,34 @@ class PNet(nn.Module):
         self.conv4_1 = nn.Conv2d(32, 2, kernel_size=1)
         self.conv4_2 = nn.Conv2d(32, 4, kernel_size=1)
 
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """The 32-channel map both heads read."""
+        x = self.pool1(self.prelu1(self.conv1(x)))
+        return self.prelu3(self.conv3(self.prelu2(self.conv2(x))))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.prelu1(self.conv1(x))
-        x = self.pool1(x)
-        x = self.prelu2(self.conv2(x))
-        x = self.prelu3(self.conv3(x))
+        x = self.trunk(x)
         prob = torch.softmax(self.conv4_1(x), dim=1)[:, 1]
         return prob, self.conv4_2(x)
+
+
+class OneHeadPNet(nn.Module):
+    """P-Net whose two 1x1 heads are one convolution of 5 channels: the difference of the two face
+    logits, then the 4 box offsets. ``prob`` is the sigmoid of that difference, which is
+    ``softmax(logits)[:, 1]``; the outputs are P-Net's (models.mtcnn_convert.pnet_with_one_head)."""
+
+    def __init__(self, pnet: PNet) -> None:
+        super().__init__()
+        self.body = pnet
+        face, box = pnet.conv4_1, pnet.conv4_2
+        self.head = nn.Conv2d(face.in_channels, 1 + box.out_channels, 1)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.cat([face.weight[1:2] - face.weight[0:1], box.weight]))
+            self.head.bias.copy_(torch.cat([face.bias[1:2] - face.bias[0:1], box.bias]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(self.body.trunk(x))
+        return torch.sigmoid(out[:, 0]), out[:, 1:]
 
 
 class RNet(nn.Module):
@@ -100,3 +121,16 @@ class ONet(nn.Module):
         x = self.prelu5(self.dense5(x))
         prob = torch.softmax(self.dense6_1(x), dim=1)[:, 1]
         return prob, self.dense6_2(x), self.dense6_3(x)
+
+
+class PixelInput(nn.Module):
+    """An MTCNN net on uint8 ``(N, H, W, 3)`` RGB pixels: the cast and the NCHW transpose happen
+    inside (in the exported graph: one ONNX Runtime pass instead of NumPy's over every level).
+    The net must take pixel values, e.g. after models.mtcnn_convert.fold_input_normalisation."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixels: torch.Tensor):
+        return self.net(pixels.permute(0, 3, 1, 2).float())
