@@ -87,6 +87,11 @@ def test_memory_returns_after_a_burst_of_large_photos(default_model_dir, photos_
             return r.status_code, r.json().get("code")
 
         assert verify(face) == (200, None)  # warm: the model's arenas are allocated
+        # ONNX Runtime's arenas also grow to the largest pyramid levels run side by side and keep
+        # that size (up to about 100 MiB, in the first burst or a later one depending on how the
+        # runs overlap, then flat over 6 bursts: a cache, not a leak). What must come back is the
+        # burst's decoded pixels (8 photos of 103 MiB; without the trim after the burst, 380 MiB
+        # stayed): less than two photos' worth may remain.
         start = service.rss_mib()
         with cf.ThreadPoolExecutor(8) as pool:
             burst = [pool.submit(verify, big) for _ in range(8)]
@@ -99,6 +104,7 @@ def test_memory_returns_after_a_burst_of_large_photos(default_model_dir, photos_
         after = service.rss_mib()
         print(f"worker RSS: {start:.0f} MiB before, {peak:.0f} MiB peak, {after:.0f} MiB after")
         assert peak < start + 1500, f"peak {peak:.0f} MiB from {start:.0f}: decodes are not bounded"
-        assert after <= 1.2 * start, f"{after:.0f} MiB after the burst, {start:.0f} MiB before"
+        two_photos = 2 * 6000 * 6000 * 3 / 2**20
+        assert after < start + two_photos, f"{after:.0f} MiB after the burst, {start:.0f} MiB before"
     finally:
         service.stop()
