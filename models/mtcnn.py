@@ -325,20 +325,21 @@ class MTCNNDetector:
         starts on the first level while the others are still being made).
         """
         plan = self._pyramid_plan(pil)
-        made: list[Image.Image | Future | None] = [pil]
         pool = self._resize_pool if pil.size[0] * pil.size[1] >= PYRAMID_PARALLEL_MIN_PIXELS else None
-        for _, size, source in plan:
-            if source == 0 and pool is not None:
-                made.append(pool.submit(pil.resize, size, Image.Resampling.BOX))
-            else:
-                made.append(None)  # made from an earlier level when its turn comes
+        from_photo: dict[int, Future] = {}
+        if pool is not None:
+            from_photo = {
+                index: pool.submit(pil.resize, size, Image.Resampling.BOX)
+                for index, (_, size, source) in enumerate(plan, start=1)
+                if source == 0
+            }
+        made = [pil]  # the photo, then each level as it is ready
         for index, (scale, size, source) in enumerate(plan, start=1):
-            level = made[index]
-            if isinstance(level, Future):
-                level = level.result()
+            if index in from_photo:
+                level = from_photo[index].result()
             else:
                 level = made[source].resize(size, Image.Resampling.BOX)
-            made[index] = level
+            made.append(level)
             yield scale, level
 
     def _pyramid_plan(self, pil: Image.Image) -> list[tuple[float, tuple[int, int], int]]:

@@ -111,25 +111,15 @@ def fold_input_normalisation(net):
     return folded.eval()
 
 
-def pnet_with_one_head(net):
-    """P-Net whose two 1x1 heads are one convolution (:class:`models.nets.mtcnn.OneHeadPNet`): the
-    sigmoid of the logits' difference instead of ONNX Runtime's Softmax over the channel axis of
-    the whole map, and one head pass instead of two (together 13% of P-Net's time on phone
-    photos)."""
-    from models.nets.mtcnn import OneHeadPNet
-
-    return OneHeadPNet(net).eval()
-
-
 def network_for_export(name: str, net):
     """The network as it is written to ONNX: the same outputs as ``net`` on normalised input, from
     uint8 pixels, in a form ONNX Runtime runs fast (see the functions it calls)."""
-    from models.nets.mtcnn import PixelInput
+    from models.nets.mtcnn import OneHeadPNet, PixelInput
     from models.onnx_export import for_onnx_export
 
     net = pad_first_block_for_nchwc(fold_input_normalisation(net))
-    if name == "pnet":
-        net = pnet_with_one_head(net)
+    if name == "pnet":  # the sigmoid of one logit instead of a Softmax over the map (13% of P-Net)
+        net = OneHeadPNet(net)
     return for_onnx_export(PixelInput(net).eval())
 
 

@@ -346,7 +346,7 @@ class SphereFacePlusHead(ASoftmaxHead):
         """(the unweighted term added to the loss, the number logged as ``mhe``) for a batch."""
         weight = self.weight.float()
         if self.mhe_form == "caffe_among":
-            return caffe_among_mhe_loss(weight, labels), caffe_among_distance(weight, labels)
+            return caffe_among_term_and_distance(weight, labels)
         term = output_mhe_loss(weight, labels, self.mhe_power, self.mhe_distance)
         return term, term.detach()
 
@@ -639,10 +639,7 @@ def caffe_among_distance(weights: Tensor, labels: Tensor) -> Tensor:
     """The released Caffe ``InterClass`` layer's output (type AMONG, its mini-batch kernels):
     ``D = (1/N) sum_i sum_j ||w_i - w_{y_j}||^2`` over all N normalised neurons and the batch's M
     labels (about ``2 M`` for spread-out unit neurons). Detached."""
-    w = F.normalize(weights.detach(), dim=1)
-    batch = w[labels]
-    total = labels.numel() * (w * w).sum() + w.shape[0] * (batch * batch).sum()
-    return (total - 2 * w.sum(0) @ batch.sum(0)) / w.shape[0]
+    return caffe_among_term_and_distance(weights, labels)[1]
 
 
 def caffe_among_mhe_loss(weights: Tensor, labels: Tensor) -> Tensor:
@@ -658,11 +655,19 @@ def caffe_among_mhe_loss(weights: Tensor, labels: Tensor) -> Tensor:
     mean and the direction, and the update goes to the raw rows. The layer recomputes D every
     10 iterations; here every call. SPEC §3.10 asks for Eq. 5.8 with this form as an option.
     """
+    return caffe_among_term_and_distance(weights, labels)[0]
+
+
+def caffe_among_term_and_distance(weights: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(:func:`caffe_among_mhe_loss`, :func:`caffe_among_distance`) from one normalisation."""
     w = F.normalize(weights.detach(), dim=1)
-    coefficient = 4.0 / (labels.numel() * caffe_among_distance(weights, labels) ** 2 + 1e-5)
-    update = -coefficient * (w[labels] - w.mean(0))  # (M, K): the gradient on each w_{y_j}
+    batch = w[labels]
+    total = labels.numel() * (w * w).sum() + w.shape[0] * (batch * batch).sum()
+    distance = (total - 2 * w.sum(0) @ batch.sum(0)) / w.shape[0]
+    coefficient = 4.0 / (labels.numel() * distance**2 + 1e-5)
+    update = -coefficient * (batch - w.mean(0))  # (M, K): the gradient on each w_{y_j}
     surrogate = (weights[labels] * update).sum()
-    return surrogate - surrogate.detach()
+    return surrogate - surrogate.detach(), distance
 
 
 class HiddenMHE:

@@ -43,7 +43,8 @@ class PNet(nn.Module):
 class OneHeadPNet(nn.Module):
     """P-Net whose two 1x1 heads are one convolution of 5 channels: the difference of the two face
     logits, then the 4 box offsets. ``prob`` is the sigmoid of that difference, which is
-    ``softmax(logits)[:, 1]``; the outputs are P-Net's (models.mtcnn_convert.pnet_with_one_head)."""
+    ``softmax(logits)[:, 1]``: the outputs are P-Net's, without ONNX Runtime's Softmax over the
+    channel axis of the whole map and with one head pass instead of two."""
 
     def __init__(self, pnet: PNet) -> None:
         super().__init__()
