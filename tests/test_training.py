@@ -210,13 +210,17 @@ def test_ranks_get_disjoint_equal_shares_of_every_epoch():
 
 
 @pytest.mark.parametrize("kind", ["stream", "device"])
-def test_loader_state_continues_exactly_where_it_was_saved(kind):
+@pytest.mark.parametrize("augment", [None, {"shift": 0.1, "rotate": 10, "contrast": 0.3, "erase": 0.5}])
+def test_loader_state_continues_exactly_where_it_was_saved(kind, augment):
+    from training.data import AugmentOptions
+
     shards = _identity_ordered_shards(classes=10, per_class=5, shard_size=20)
+    options = {"flip": True, "seed": 1, "augment": AugmentOptions.from_options(augment)}
 
     def make():
         if kind == "stream":
-            return StreamingLoader(shards, 8, "cpu", flip=True, seed=1, prefetch=3)
-        return DeviceResidentLoader.from_shards(shards, 8, "cpu", flip=True, seed=1)
+            return StreamingLoader(shards, 8, "cpu", prefetch=3, **options)
+        return DeviceResidentLoader.from_shards(shards, 8, "cpu", **options)
 
     reference = _take(make(), 13)  # 6 batches per epoch: crosses two epoch boundaries
     first = make()
@@ -227,7 +231,7 @@ def test_loader_state_continues_exactly_where_it_was_saved(kind):
     second = make()
     second.load_state_dict(state)
     for (x, y), (x_ref, y_ref) in zip(_take(second, 5), reference[8:], strict=True):
-        assert torch.equal(y, y_ref) and torch.equal(x, x_ref)  # same faces, same flips
+        assert torch.equal(y, y_ref) and torch.equal(x, x_ref)  # same faces, same flips and moves
     with pytest.raises(ValueError, match="cannot continue"):
         other = (
             StreamingLoader(shards, 4, "cpu")
@@ -312,6 +316,9 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
     np.testing.assert_allclose(np.linalg.norm(fused, axis=1), 1.0, atol=1e-5)
 
 
+AUGMENT = {"shift": 0.05, "rotate": 5.0, "saturation": 0.2, "grayscale": 0.3, "erase": 0.3}
+
+
 @pytest.mark.shared_data
 @pytest.mark.parametrize(("loader", "checkpoint_every"), [("device", 5), ("stream", 0)])
 def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
@@ -319,18 +326,19 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
 ):
     from training.trainer import train
 
-    # 6 steps of batch 8 cross an epoch boundary of the 2-identity set; flips, hidden MHE's random
-    # neurons and the optimizer's momentum all carry over. The break (step 4) is not a multiple of
-    # checkpoint_every (0: checkpoints only at the end and at the stop), so the stop itself must
-    # checkpoint.
+    # 6 steps of batch 8 cross an epoch boundary of the 2-identity set; flips and the other
+    # augmentation, hidden MHE's random neurons and the optimizer's momentum all carry over. The
+    # break (step 4) is not a multiple of checkpoint_every (0: checkpoints only at the end and at
+    # the stop), so the stop itself must checkpoint.
     extra = (
         "steps=6", f"checkpoint_every={checkpoint_every}", f"loader={loader}", "hidden_mhe_weight=0.1",
-        "head=asoftmax",
+        "head=asoftmax", f"augment={{ {', '.join(f'{k} = {v}' for k, v in AUGMENT.items())} }}",
     )  # fmt: skip
     whole = train(
         load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "whole", *extra)), progress=False
     )
     config = load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "parts", *extra))
+    assert whole.summary["augment"] == AUGMENT
     first = train(config, progress=False, until_step=4)
     assert first.steps == 4 and first.summary == {}
     assert not (tmp_path / "parts" / "summary.json").exists()

@@ -29,6 +29,7 @@ from models.errors import FacePathError
 if TYPE_CHECKING:
     from models.nets.hyperspherical import HypersphericalSettings
     from models.nets.opt import OPTSettings
+    from training.augment import AugmentOptions
 
 
 class ConfigError(FacePathError):
@@ -108,6 +109,9 @@ class TrainConfig:
     weight_decay: float = 5e-4
     #: Horizontal flip of training images with probability 0.5 (the papers' only augmentation).
     flip: bool = True
+    #: More augmentation (training.augment; every option off when absent), e.g.
+    #: ``{ shift = 0.04, scale = 0.05, rotate = 5, brightness = 0.2, grayscale = 0.1, erase = 0.2 }``.
+    augment: dict[str, Any] = field(default_factory=dict)
     #: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
     precision: str = "auto"
     seed: int = 0
@@ -213,6 +217,7 @@ class TrainConfig:
             from training.comhe import CoMHEOptions
 
             CoMHEOptions.from_options(self.hidden_mhe_options)
+            self.augment_options()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -223,6 +228,12 @@ class TrainConfig:
         if self.operator != "conv":
             OperatorSpec.from_options(self.operator, self.operator_options)
         return HypersphericalSettings(self.operator, dict(self.operator_options), self.operator_fc)
+
+    def augment_options(self) -> AugmentOptions:
+        """The checked ``augment`` table (unknown or out-of-range options raise ValueError)."""
+        from training.augment import AugmentOptions
+
+        return AugmentOptions.from_options(self.augment)
 
     def opt_settings(self) -> OPTSettings:
         """The network's OPT choice (checked: unknown methods and options raise ValueError)."""
@@ -314,8 +325,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = read_toml(Path(path)) if path is not None else {}
     for text in overrides or []:
         key, value = parse_override(text)
-        if key.startswith("head_options."):
-            data.setdefault("head_options", {})[key.split(".", 1)[1]] = value
+        table, dot, option = key.partition(".")
+        if dot and table in ("head_options", "augment"):
+            data.setdefault(table, {})[option] = value
         else:
             data[key] = value
     return config_from_dict(data)

@@ -2,7 +2,8 @@
 
 Two loaders yield the same batches, ``(images, labels)`` on the training device: images
 ``(B, 3, 112, 96)`` float32 RGB normalised as ``(x - 127.5) / 128`` (channels-last memory),
-randomly mirrored when ``flip`` is on, and labels ``(B,)`` int64.
+randomly mirrored when ``flip`` is on and, when a config's ``augment`` table asks, moved, recoloured
+and partly erased (:mod:`training.augment`), and labels ``(B,)`` int64.
 
 * :class:`DeviceResidentLoader`: the whole dataset lives on the device as uint8 (32 KB per face:
   CASIA-WebFace's 0.49M faces are 16 GB), copied there shard by shard (no host copy of the whole
@@ -19,8 +20,8 @@ equal shares and their epochs stay in step. Shards are runs of consecutive ident
 within a window of shards would draw each batch from a few percent of the identities.
 
 Both are infinite iterators over epochs whose position can be saved and restored exactly
-(:meth:`state_dict` / :meth:`load_state_dict`: epoch, batches already taken in it, and the flip
-generator), which is what makes a resumed run equal to an uninterrupted one.
+(:meth:`state_dict` / :meth:`load_state_dict`: epoch, batches already taken in it, and the
+augmentation's generator), which is what makes a resumed run equal to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -33,20 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-PIXEL_MEAN = 127.5
-PIXEL_STD = 128.0
+# the network input and its augmentation (re-exported: the trainer and tests read them from here)
+from training.augment import PIXEL_MEAN, PIXEL_STD, AugmentOptions, BatchAugment, to_network_input
 
-
-def to_network_input(batch: torch.Tensor, flip_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B, H, W, 3)`` uint8 RGB -> ``(B, 3, H, W)`` float32 ``(x - 127.5) / 128``, on its device.
-
-    ``flip_mask`` ``(B,)`` bool mirrors the chosen images horizontally. The result is laid out
-    channels-last (the permute of the NHWC input), which is what cuDNN's fastest kernels read.
-    """
-    x = batch.permute(0, 3, 1, 2).float()
-    if flip_mask is not None:
-        x = torch.where(flip_mask[:, None, None, None], x.flip(3), x)
-    return x.sub_(PIXEL_MEAN).div_(PIXEL_STD)
+__all__ = [
+    "PIXEL_MEAN", "PIXEL_STD", "AugmentOptions", "DeviceResidentLoader", "StreamingLoader",
+    "epoch_order", "fits_on_device", "to_network_input",
+]  # fmt: skip
 
 
 def epoch_order(num_faces: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
@@ -60,25 +54,6 @@ def epoch_order(num_faces: int, seed: int, epoch: int, rank: int = 0, world_size
     return order[rank::world_size][: num_faces // world_size]
 
 
-class _FlipAndNormalise:
-    """uint8 NHWC batch on the device -> network input, each face mirrored with probability 0.5.
-
-    Seeded per process (``seed * 1000 + rank``) so ranks flip independently and runs repeat.
-    """
-
-    def __init__(self, device: torch.device, enabled: bool, seed: int, rank: int) -> None:
-        self.device = device
-        self.enabled = enabled
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed * 1000 + rank)
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if self.enabled:
-            mask = torch.rand(len(images), device=self.device, generator=self.generator) < 0.5
-        return to_network_input(images, mask)
-
-
 class _EpochLoader:
     """What both loaders share: the epoch plan, the position in it and its saved state."""
 
@@ -87,7 +62,7 @@ class _EpochLoader:
     rank: int
     world_size: int
     num_faces: int
-    _augment: _FlipAndNormalise
+    _augment: BatchAugment
 
     def _init_position(self) -> None:
         per_rank = self.num_faces // self.world_size
@@ -168,13 +143,14 @@ class DeviceResidentLoader(_EpochLoader):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        augment: AugmentOptions | None = None,
     ) -> None:
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
         self.device = torch.device(device)
         self.images = torch.from_numpy(np.ascontiguousarray(images)).to(self.device)
         self.labels = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device)
-        self._setup(batch_size, flip, seed, rank, world_size)
+        self._setup(batch_size, flip, seed, rank, world_size, augment)
 
     @classmethod
     def from_shards(
@@ -206,7 +182,13 @@ class DeviceResidentLoader(_EpochLoader):
         return loader
 
     def _setup(
-        self, batch_size: int, flip: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1
+        self,
+        batch_size: int,
+        flip: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        augment: AugmentOptions | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.flip = flip
@@ -215,7 +197,7 @@ class DeviceResidentLoader(_EpochLoader):
         self.world_size = world_size
         self.num_faces = len(self.labels)
         self._init_position()
-        self._augment = _FlipAndNormalise(self.device, flip, seed, rank)
+        self._augment = BatchAugment(self.device, flip, seed, rank, augment)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for epoch, position, indices in self._batch_indices():
@@ -248,6 +230,7 @@ class StreamingLoader(_EpochLoader):
         rank: int = 0,
         world_size: int = 1,
         prefetch: int = 4,
+        augment: AugmentOptions | None = None,
     ) -> None:
         if not shards:
             raise ValueError("no shards to stream")
@@ -272,7 +255,7 @@ class StreamingLoader(_EpochLoader):
         #: CUDA event recorded after the copy out of each pinned buffer; the producer waits on it
         #: before refilling that buffer, so a copy still in flight is never overwritten.
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._buffers)
-        self._augment = _FlipAndNormalise(self.device, flip, seed, rank)
+        self._augment = BatchAugment(self.device, flip, seed, rank, augment)
 
     def _gather(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Copy faces ``indices`` (global, in batch order) into ``out``, reading shard by shard."""

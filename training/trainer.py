@@ -9,7 +9,8 @@ several GPUs and nodes; NCCL on GPUs, Gloo on CPU). What it does, per SPEC.md §
   24/28 of the run (the papers' 16K and 24K of 28K iterations, scaled to the run's length).
 * The angular heads' classifier rows are put back on the unit sphere after every step, as the
   Caffe layer does on every forward pass.
-* Horizontal flip; bf16 autocast on GPUs that compute in bf16 (Ampere and later; fp32 before);
+* Horizontal flip, and optionally more augmentation (:mod:`training.augment`); bf16 autocast
+  on GPUs that compute in bf16 (Ampere and later; fp32 before);
   the classifier heads compute in float32.
 * A-Softmax's lambda per Caffe iteration (logged), optional hidden-layer MHE (Eq. 5.4).
 * A checkpoint every ``checkpoint_every`` steps and at the end (``checkpoint.pt``: network, head,
@@ -460,7 +461,13 @@ def _make_loader(config: TrainConfig, data: Any, ctx: DistributedContext, per_ra
     nbytes = sum(int(np.prod(images.shape)) for images, _ in data.shards)
     if kind == "auto":
         kind = "device" if _all_ranks(fits_on_device(nbytes, ctx.device), ctx) else "stream"
-    common = {"flip": config.flip, "seed": config.seed, "rank": ctx.rank, "world_size": ctx.world_size}
+    common = {
+        "flip": config.flip,
+        "seed": config.seed,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "augment": config.augment_options(),
+    }
     if kind == "device":
         return DeviceResidentLoader.from_shards(data.shards, per_rank_batch, ctx.device, **common), kind
     return StreamingLoader(data.shards, per_rank_batch, ctx.device, **common), kind
@@ -907,6 +914,8 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
         "head": config.head,
         "head_options": config.head_options,
         "init_from": config.init_from,
+        "flip": config.flip,
+        "augment": config.augment_options().as_dict(),
         "seed": config.seed,
         "steps": config.steps,
         "batch_size": config.batch_size,
