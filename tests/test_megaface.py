@@ -215,24 +215,64 @@ def test_row_cache_resumes_after_a_crash_and_grows(tmp_path):
 
         return store
 
-    cache = RowCache(tmp_path / "c", {"what": "test"}, 80, columns)
-    with pytest.raises(KeyboardInterrupt):
+    with RowCache(tmp_path / "c", {"what": "test"}, 80, columns) as cache, pytest.raises(KeyboardInterrupt):
         cache.fill(
             produce, store_into(cache), batch_size=8, workers=1, desc="t", progress=False, commit_seconds=0
         )
     assert cache.done == 48  # six whole batches were committed
     calls.clear()
     crash["at"] = None
-    again = RowCache(tmp_path / "c", {"what": "test"}, 80, columns)
-    assert again.done == 48
-    again.fill(produce, store_into(again), batch_size=8, workers=1, desc="t", progress=False)
+    with RowCache(tmp_path / "c", {"what": "test"}, 80, columns) as again:
+        assert again.done == 48
+        again.fill(produce, store_into(again), batch_size=8, workers=1, desc="t", progress=False)
     assert calls == list(range(48, 80))  # nothing done twice
     np.testing.assert_array_equal(again["x"][:, 0], np.arange(80))
-    grown = RowCache(tmp_path / "c", {"what": "test"}, 100, columns)
-    assert grown.done == 80
-    np.testing.assert_array_equal(grown["x"][:80, 0], np.arange(80))
-    other = RowCache(tmp_path / "c", {"what": "something else"}, 100, columns)
-    assert other.done == 0
+    with RowCache(tmp_path / "c", {"what": "test"}, 100, columns) as grown:
+        assert grown.done == 80
+        np.testing.assert_array_equal(grown["x"][:80, 0], np.arange(80))
+    with RowCache(tmp_path / "c", {"what": "something else"}, 100, columns) as other:
+        assert other.done == 0
+
+
+def _fill_slowly(folder: str, started, log_path: str) -> None:
+    """Fill a 24-row cache, 20 ms a row, noting each row it computes (a child process)."""
+    import time
+
+    def produce(i: int) -> float:
+        started.set()
+        with open(log_path, "a") as log:
+            log.write(f"{i}\n")
+        time.sleep(0.02)
+        return float(i)
+
+    with RowCache(Path(folder), {"what": "test"}, 24, {"x": ((), np.float32)}) as cache:
+
+        def store(first: int, items: list[float]) -> None:
+            cache["x"][first : first + len(items)] = items
+
+        cache.fill(produce, store, batch_size=4, workers=1, desc="t", progress=False)
+
+
+def test_two_processes_filling_one_row_cache_take_turns(tmp_path):
+    # Two `sphereface evaluate megaface` side by side used to race on the same cache files (one
+    # failed on progress.json.tmp). The second now waits for the first and finds its rows.
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    log_path = tmp_path / "rows.txt"
+    first = context.Process(target=_fill_slowly, args=(str(tmp_path / "c"), started, str(log_path)))
+    first.start()
+    assert started.wait(60)  # the first process is filling
+    second = context.Process(target=_fill_slowly, args=(str(tmp_path / "c"), started, str(log_path)))
+    second.start()
+    for process in (first, second):
+        process.join(60)
+        assert process.exitcode == 0
+    assert sorted(int(line) for line in log_path.read_text().split()) == list(range(24))  # each row once
+    with RowCache(tmp_path / "c", {"what": "test"}, 24, {"x": ((), np.float32)}) as cache:
+        assert cache.done == 24
+        np.testing.assert_array_equal(cache["x"], np.arange(24))
 
 
 # -- real faces ------------------------------------------------------------------------------

@@ -250,11 +250,40 @@ class RowCache:
     A run that stops (Ctrl-C, a crash, a full disk) resumes from the last commit. The folder's
     ``meta.json`` says what the rows are; a different ``meta`` starts over, the same ``meta`` with a
     larger ``n`` keeps the rows already filled.
+
+    One process at a time fills a folder: the cache holds an exclusive lock on ``folder/.lock``
+    from opening until :meth:`close` (use it as a context manager). A second run on the same
+    folder, e.g. two ``sphereface evaluate megaface`` started side by side, waits, then finds the
+    rows the first one filled instead of racing it on the same files.
     """
 
     def __init__(self, folder: Path, meta: dict[str, Any], n: int, columns: dict[str, tuple]) -> None:
         self.folder, self.n = folder, n
         folder.mkdir(parents=True, exist_ok=True)
+        self._lock: int | None = _lock_folder(folder)
+        try:
+            self._open(meta, columns)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let another process fill the folder (the arrays read so far stay valid)."""
+        if self._lock is not None:
+            import fcntl
+
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
+
+    def __enter__(self) -> RowCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self, meta: dict[str, Any], columns: dict[str, tuple]) -> None:
+        folder, n = self.folder, self.n
         meta_path, progress_path = folder / "meta.json", folder / "progress.json"
         meta = json.loads(json.dumps(meta))
         old_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
@@ -343,6 +372,24 @@ class RowCache:
                 bar.close()
 
 
+def _lock_folder(folder: Path) -> int:
+    """An exclusive lock on ``folder/.lock`` (released when the descriptor is closed, also when the
+    process dies); says so in the log when it has to wait for another process."""
+    import fcntl
+
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is filling %s", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("SPHEREFACE_CACHE", ".cache")) / "megaface"
 
@@ -372,15 +419,22 @@ def detect_landmarks(
     progress: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(n, 5, 2)`` landmarks of the face nearest each image's centre and ``found`` flags."""
-    from models.image import read_image
-
     digest = faces.digest()
-    cache = RowCache(
+    with RowCache(
         cache_dir / "landmarks" / f"{faces.name}-{digest[:16]}",
         {"set": faces.name, "digest": digest, "detector": DETECTOR_TAG, "n": len(faces)},
         len(faces),
         {"landmarks": ((5, 2), np.float32), "found": ((), np.bool_)},
-    )
+    ) as cache:
+        _fill_landmarks(cache, faces, detector, providers, workers, progress)
+    return np.asarray(cache["landmarks"]), np.asarray(cache["found"])
+
+
+def _fill_landmarks(
+    cache: RowCache, faces: FaceSet, detector: Any, providers: Any, workers: int, progress: bool
+) -> None:
+    from models.image import read_image
+
     if cache.done < cache.n:
         if detector is None:
             from models.mtcnn import MTCNNDetector
@@ -400,7 +454,6 @@ def detect_landmarks(
         cache.fill(
             produce, store, batch_size=64, workers=workers, desc=f"detect {faces.name}", progress=progress
         )
-    return np.asarray(cache["landmarks"]), np.asarray(cache["found"])
 
 
 @dataclass
@@ -462,25 +515,25 @@ def embed_faces(
 
     template = get_template(embedder.manifest.template)
     digest = faces.digest()
-    cache = RowCache(
-        cache_dir / "features" / model.folder / f"{faces.name}-{digest[:16]}",
-        {"set": faces.name, "digest": digest, "detector": DETECTOR_TAG, "model": model.digest},
-        len(faces),
-        {"features": ((embedder.output_size,), np.float32)},
-    )
 
     def crop(i: int) -> np.ndarray:
         return align_face(read_image(faces.paths[i]), landmarks[i], template)
 
-    return _embed_rows(
-        cache,
-        crop,
-        embedder,
-        batch_size=batch_size,
-        workers=workers,
-        desc=f"embed {faces.name}",
-        progress=progress,
-    )
+    with RowCache(
+        cache_dir / "features" / model.folder / f"{faces.name}-{digest[:16]}",
+        {"set": faces.name, "digest": digest, "detector": DETECTOR_TAG, "model": model.digest},
+        len(faces),
+        {"features": ((embedder.output_size,), np.float32)},
+    ) as cache:
+        return _embed_rows(
+            cache,
+            crop,
+            embedder,
+            batch_size=batch_size,
+            workers=workers,
+            desc=f"embed {faces.name}",
+            progress=progress,
+        )
 
 
 def augment_face(
@@ -533,7 +586,13 @@ def embed_augmented(
     template = get_template(embedder.manifest.template)
     order = np.random.default_rng(seed).permutation(len(source))
     digest = source.digest()
-    cache = RowCache(
+
+    def crop(i: int) -> np.ndarray:
+        j = int(order[i % len(order)])
+        rng = np.random.default_rng([seed, i])
+        return augment_face(read_image(source.paths[j]), landmarks[j], template, rng)
+
+    with RowCache(
         cache_dir / "features" / model.folder / f"{source.name}-{AUGMENTATION_VERSION}-s{seed}-{digest[:16]}",
         {
             "source": source.name,
@@ -545,22 +604,16 @@ def embed_augmented(
         },
         count,
         {"features": ((embedder.output_size,), np.float32)},
-    )
-
-    def crop(i: int) -> np.ndarray:
-        j = int(order[i % len(order)])
-        rng = np.random.default_rng([seed, i])
-        return augment_face(read_image(source.paths[j]), landmarks[j], template, rng)
-
-    features = _embed_rows(
-        cache,
-        crop,
-        embedder,
-        batch_size=batch_size,
-        workers=workers,
-        desc="embed augmented",
-        progress=progress,
-    )
+    ) as cache:
+        features = _embed_rows(
+            cache,
+            crop,
+            embedder,
+            batch_size=batch_size,
+            workers=workers,
+            desc="embed augmented",
+            progress=progress,
+        )
     keys = [f"{AUGMENTATION_VERSION}/{i}/{source.keys[int(order[i % len(order)])]}" for i in range(count)]
     return features, keys
 
