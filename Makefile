@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability image-test models bench bench-service bench-verify-default bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -241,19 +241,30 @@ megaface-local: models
 bench-megaface-1m: install
 	$(BIN)/python bench/megaface_1m.py --model models/sphereface_celeba --json docs/results/megaface_1m.json
 
-bench: install models
+# The real torchvision, only to time facenet-pytorch's NMS calls in its C++ kernel (the benchmarks
+# run facenet-pytorch on a pure-torch stand-in): torch 2.14.1 + torchvision 0.29.1 from the machine's
+# disk in their own environment (a CUDA build, about 5.5 GB, once; bench/torchvision_nms.py).
+TORCHVISION_ENV := $(CACHE)/bench/torchvision-venv
+$(TORCHVISION_ENV)/bin/python:
+	$(PYTHON) -m venv $(TORCHVISION_ENV)
+	$(TORCHVISION_ENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 numpy
+	@$(TORCHVISION_ENV)/bin/python -c "import torchvision.ops" || { rm -rf $(TORCHVISION_ENV); exit 1; }
+
+torchvision-env: $(TORCHVISION_ENV)/bin/python
+
+bench: install models torchvision-env
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)
 
 # The service: /v1/verify against facenet-pytorch + PyTorch eager, search at 10k/100k/1M
 # vectors (numpy and Redis Query Engine), bulk enrollment (about 15 minutes; docs/service.md).
-bench-service: install models
+bench-service: install models torchvision-env
 	$(BIN)/python bench/service.py --json docs/results/bench_service.json
 	$(BIN)/python bench/models.py --models default,sphereface_celeba,$(REF_MODEL) --json docs/results/bench_models.json
 	$(MAKE) bench-verify-default
 
 # /v1/verify of the default model (dlib's ResNet) against facenet-pytorch + PyTorch eager running the
 # same network rebuilt from dlib's file (about 3 minutes).
-bench-verify-default: install
+bench-verify-default: install torchvision-env
 	$(BIN)/python bench/service.py --parts verify --model models/dlib_resnet_v1 \
 		--json docs/results/bench_service_verify_default.json
 

@@ -12,7 +12,9 @@ The semantics follow torchvision's documented behaviour: boxes are ``(x1, y1, x2
 is strictly greater than the threshold, and kept indices come back by decreasing score. The NMS is
 a greedy loop over kept boxes, each step vectorised over the remaining ones (the same algorithm as
 the project's numpy NMS); time spent in it is counted in :data:`TIMING` so the benchmark can show
-how much of facenet-pytorch's time it accounts for (the real torchvision runs it in C++).
+how much of facenet-pytorch's time it accounts for (the real torchvision runs it in C++), and its
+inputs can be recorded (:data:`RECORD`) so that the benchmark times the same calls in the real
+torchvision, in a separate environment (``bench/torchvision_nms.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import torch
 
 #: Cumulative calls and seconds spent in :func:`batched_nms` (read and reset by the benchmark).
 TIMING = {"batched_nms_calls": 0, "batched_nms_seconds": 0.0}
+#: When the benchmark sets a list here, every :func:`batched_nms` call appends its inputs and the
+#: indices it kept (numpy arrays), to be timed again in the real torchvision
+#: (``bench/torchvision_nms.py``).
+RECORD: list[dict] | None = None
 
 
 def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
@@ -55,14 +61,27 @@ def batched_nms(
     single NMS pass keeps them apart.
     """
     start = time.perf_counter()
+    kept = None
     try:
         if boxes.numel() == 0:
-            return torch.empty((0,), dtype=torch.int64, device=boxes.device)
-        offsets = idxs.to(boxes) * (boxes.max() + 1)
-        return nms(boxes + offsets[:, None], scores, iou_threshold)
+            kept = torch.empty((0,), dtype=torch.int64, device=boxes.device)
+        else:
+            offsets = idxs.to(boxes) * (boxes.max() + 1)
+            kept = nms(boxes + offsets[:, None], scores, iou_threshold)
+        return kept
     finally:
         TIMING["batched_nms_calls"] += 1
         TIMING["batched_nms_seconds"] += time.perf_counter() - start
+        if RECORD is not None and kept is not None:
+            RECORD.append(
+                {
+                    "boxes": boxes.detach().cpu().numpy().copy(),
+                    "scores": scores.detach().cpu().numpy().copy(),
+                    "idxs": idxs.detach().cpu().numpy().copy(),
+                    "iou_threshold": float(iou_threshold),
+                    "kept": kept.cpu().numpy().copy(),
+                }
+            )
 
 
 def to_tensor(pic) -> torch.Tensor:
