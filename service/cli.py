@@ -443,6 +443,17 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _face_size(text: str) -> float:
+    """A minimum face size in pixels: a number of at least 12 (P-Net's window)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of pixels") from None
+    if value < 12:
+        raise argparse.ArgumentTypeError(f"{value:g} is under 12 pixels, the smallest face MTCNN finds")
+    return value
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare", help="detect and align a folder of identities (CASIA-WebFace layout) into packed crops"
@@ -455,6 +466,13 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU core)")
     p.add_argument("--shard-size", type=int, default=8192, help="faces per shard file")
     p.add_argument("--providers", default="cpu", help="ONNX Runtime providers for MTCNN")
+    p.add_argument(
+        "--min-face-size",
+        type=_face_size,
+        default=20.0,
+        help="smallest face to look for, in pixels (default 20, MTCNN's; at least 12): lower it for "
+        "low-resolution photos",
+    )
     p.set_defaults(func=_run_prepare)
 
 
@@ -468,6 +486,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         workers=args.workers,
         shard_size=args.shard_size,
         providers=args.providers,
+        min_face_size=args.min_face_size,
     )
     print(result.summary())
     return 0

@@ -320,6 +320,28 @@ def test_a_missing_or_empty_source_gives_a_typed_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_lower_minimum_face_size_reaches_the_workers_and_keeps_small_faces(tmp_path):
+    # A real face shrunk to 20x20 pixels on a 120x120 canvas: MTCNN finds it looking for faces of
+    # 12 px, not of 20 (its default).
+    lfw = require_shared("lfw")
+    face = Image.open(lfw / "images" / "Aaron_Peirsol" / "Aaron_Peirsol_0001.jpg").resize((20, 20), Image.BOX)
+    canvas = Image.new("RGB", (120, 120), (128, 128, 128))
+    canvas.paste(face, (40, 40))
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        canvas.save(tmp_path / "src" / name / "small.png")
+    default = prepare_dataset(tmp_path / "src", tmp_path / "at20", workers=2, progress=False)
+    assert default.num_images == 0 and default.manifest["skipped_by_reason"] == {"no_face": 2}
+    assert default.manifest["detector"]["min_face_size"] == 20.0
+    small = prepare_dataset(tmp_path / "src", tmp_path / "at12", workers=2, progress=False, min_face_size=12)
+    assert small.num_images == 2 and small.manifest["detector"]["min_face_size"] == 12.0
+    # The same folder again with another minimum is another preparation, and one under 12 is refused.
+    with pytest.raises(DatasetMismatchError, match="other settings"):
+        prepare_dataset(tmp_path / "src", tmp_path / "at12", workers=1, progress=False)
+    with pytest.raises(ValueError, match="at least 12"):
+        prepare_dataset(tmp_path / "src", tmp_path / "at8", progress=False, min_face_size=8)
+
+
 def test_loading_a_folder_without_a_manifest_says_to_prepare_first(tmp_path):
     with pytest.raises(DatasetError, match="sphereface prepare"):
         load_prepared(tmp_path)

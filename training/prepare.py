@@ -60,6 +60,8 @@ TEMPLATE = SPHEREFACE_TEMPLATE_112x96
 IMAGE_SHAPE = (TEMPLATE.height, TEMPLATE.width, 3)
 FACE_POLICY = "central"
 DEFAULT_SHARD_SIZE = 8192
+#: MTCNN's usual smallest face, in pixels (``sphereface prepare --min-face-size``).
+DEFAULT_MIN_FACE_SIZE = 20.0
 
 _SHARD_FILES = ("images_{:05d}.npy", "labels_{:05d}.npy", "meta_{:05d}.json")
 _META_RE = re.compile(r"^meta_(\d{5,})\.json$")
@@ -489,23 +491,26 @@ def list_photos(
 # Workers
 # --------------------------------------------------------------------------------------------
 
-_WORKER_DETECTOR: Any = None
-_WORKER_PROVIDERS: str | None = None
+#: This process's MTCNN and the (providers, min face size) it was made for.
+_WORKER_DETECTOR: tuple[tuple[str, float], Any] | None = None
+_WORKER_SETTINGS: tuple[str, float] = ("cpu", DEFAULT_MIN_FACE_SIZE)
 
 
-def _worker_init(providers: str) -> None:
-    global _WORKER_PROVIDERS
-    _WORKER_PROVIDERS = providers
+def _worker_init(providers: str, min_face_size: float = DEFAULT_MIN_FACE_SIZE) -> None:
+    global _WORKER_SETTINGS
+    _WORKER_SETTINGS = (providers, float(min_face_size))
 
 
-def _detector(providers: str) -> Any:
+def _detector(providers: str, min_face_size: float = DEFAULT_MIN_FACE_SIZE) -> Any:
     """This process's MTCNN (made on first use, with one ONNX Runtime thread per call)."""
     global _WORKER_DETECTOR
-    if _WORKER_DETECTOR is None:
+    key = (providers, float(min_face_size))
+    if _WORKER_DETECTOR is None or _WORKER_DETECTOR[0] != key:
         from models.mtcnn import MTCNNDetector
 
-        _WORKER_DETECTOR = MTCNNDetector(providers=providers, intra_op_threads=1)
-    return _WORKER_DETECTOR
+        detector = MTCNNDetector(providers=providers, intra_op_threads=1, min_face_size=min_face_size)
+        _WORKER_DETECTOR = (key, detector)
+    return _WORKER_DETECTOR[1]
 
 
 def align_photo(detector: Any, path: str | Path) -> tuple[np.ndarray | None, str | None, str | None]:
@@ -533,7 +538,7 @@ def align_photo(detector: Any, path: str | Path) -> tuple[np.ndarray | None, str
 def _work(task: tuple[int, str]) -> tuple[int, np.ndarray | None, str | None, str | None]:
     """Pool task: ``(photo index, absolute path)`` -> ``(index, crop, reason, message)``."""
     index, path = task
-    detector = _detector(_WORKER_PROVIDERS or "cpu")
+    detector = _detector(*_WORKER_SETTINGS)
     try:
         crop, reason, message = align_photo(detector, path)
     except Exception as exc:  # one odd photo must not stop a long job; it is recorded instead
@@ -548,19 +553,19 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 
 
 def _results(
-    tasks: list[tuple[int, str]], workers: int, providers: str
+    tasks: list[tuple[int, str]], workers: int, providers: str, min_face_size: float
 ) -> Iterator[tuple[int, np.ndarray | None, str | None, str | None]]:
     """Results of :func:`_work` over ``tasks``, in task order."""
     if not tasks:
         return
     if workers <= 1:
-        _worker_init(providers)
+        _worker_init(providers, min_face_size)
         for task in tasks:
             yield _work(task)
         return
     workers = min(workers, len(tasks))
     chunksize = max(1, min(16, len(tasks) // (workers * 8)))
-    with _pool_context().Pool(workers, initializer=_worker_init, initargs=(providers,)) as pool:
+    with _pool_context().Pool(workers, initializer=_worker_init, initargs=(providers, min_face_size)) as pool:
         yield from pool.imap(_work, tasks, chunksize=chunksize)
 
 
@@ -685,8 +690,9 @@ def _fingerprint(src: Path, photos: Sequence[tuple[str, int]], settings: dict[st
     return digest.hexdigest()
 
 
-def _detector_settings() -> dict[str, Any]:
-    """The MTCNN settings the workers use (the detector's defaults), for the manifest."""
+def _detector_settings(min_face_size: float) -> dict[str, Any]:
+    """The MTCNN settings the workers use (the detector's defaults but the minimum face size), for
+    the manifest."""
     import inspect
 
     from models.mtcnn import MTCNNDetector
@@ -694,7 +700,7 @@ def _detector_settings() -> dict[str, Any]:
     defaults = inspect.signature(MTCNNDetector.__init__).parameters
     return {
         "name": "mtcnn",
-        "min_face_size": float(defaults["min_face_size"].default),
+        "min_face_size": float(min_face_size),
         "thresholds": [float(t) for t in defaults["thresholds"].default],
         "scale_factor": float(defaults["scale_factor"].default),
         "face_policy": FACE_POLICY,
@@ -724,6 +730,7 @@ def prepare_dataset(
     providers: str = "cpu",
     progress: bool = True,
     limit_identities: int | None = None,
+    min_face_size: float = DEFAULT_MIN_FACE_SIZE,
 ) -> PreparedDataset:
     """Detect and align every photo of ``src/<identity>/*`` into packed uint8 shards in ``out``.
 
@@ -739,6 +746,9 @@ def prepare_dataset(
         providers: ONNX Runtime providers for MTCNN, e.g. ``"cpu"`` or ``"cuda,cpu"``.
         progress: show a tqdm bar over photos.
         limit_identities: keep only the first N identities (after exclusions; for smoke tests).
+        min_face_size: the smallest face MTCNN looks for, in pixels (at least 12, P-Net's window).
+            The default 20 is MTCNN's; low-resolution sets (celeba_small's faces are about 45 px
+            wide) keep a few more faces at 12, at some cost in time.
 
     Returns:
         the prepared folder, loaded with memory-mapped images; ``last_run`` says how many photos
@@ -752,9 +762,11 @@ def prepare_dataset(
     src, out = Path(src), Path(out)
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+    if min_face_size < 12:
+        raise ValueError(f"min_face_size must be at least 12 pixels (P-Net's window), got {min_face_size}")
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     identities, photos, excluded, not_found = list_photos(src, exclude_identities, limit_identities)
-    detector = _detector_settings()
+    detector = _detector_settings(min_face_size)
     settings = {
         "format_version": FORMAT_VERSION,
         "template": TEMPLATE.name,
@@ -802,7 +814,7 @@ def prepare_dataset(
     tasks = [(i, str(src / photos[i][0])) for k in pending for i in range(*ranges[k])]
     bar = _progress(len(photos), len(photos) - len(tasks), progress)
     processed = 0
-    stream = _results(tasks, workers, providers)
+    stream = _results(tasks, workers, providers, min_face_size)
     try:
         for k in pending:
             first, last = ranges[k]
