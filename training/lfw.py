@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from models.errors import FacePathError
+from training import locks
 
 log = logging.getLogger(__name__)
 
@@ -1034,12 +1035,29 @@ def detected_lfw_landmarks(
         ``(n, 5, 2)`` float64 landmarks, ``(n,)`` found flags (False: the central-box fallback)
         and the cache file's path.
     """
-    from models.image import read_image
-
     data_dir = Path(data_dir)
     key_json = json.dumps(detected_landmarks_key(data_dir, names, providers), sort_keys=True)
     folder = Path(cache_dir) if cache_dir is not None else default_landmark_cache_dir()
     path = folder / f"{_sha256_bytes(key_json.encode())[:24]}.npz"
+    folder.mkdir(parents=True, exist_ok=True)
+    # Two jobs started together (make loss-table trains two at a time) take turns: the second
+    # finds the first one's file instead of detecting the same landmarks again.
+    with locks.exclusive(path.with_suffix(".lock"), f"detecting the LFW landmarks of {path.name}"):
+        return _cached_or_detected(path, key_json, data_dir, names, providers, workers, progress)
+
+
+def _cached_or_detected(
+    path: Path,
+    key_json: str,
+    data_dir: Path,
+    names: Sequence[str],
+    providers: str | Sequence[str],
+    workers: int,
+    progress: bool,
+) -> tuple[np.ndarray, np.ndarray, Path]:
+    """The landmarks from ``path`` when it holds them, else detected and written there."""
+    from models.image import read_image
+
     started = time.perf_counter()
     cached = _load_landmark_cache(path, key_json, names)
     if cached is not None:

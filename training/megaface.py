@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from models.errors import FacePathError
+from training import locks
 from training.lfw import _ordered_map, detect_central_landmarks, false_accepts_allowed, far_label
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class RowCache:
     def __init__(self, folder: Path, meta: dict[str, Any], n: int, columns: dict[str, tuple]) -> None:
         self.folder, self.n = folder, n
         folder.mkdir(parents=True, exist_ok=True)
-        self._lock: int | None = _lock_folder(folder)
+        self._lock: int | None = locks.acquire(folder / ".lock", f"filling {folder}")
         try:
             self._open(meta, columns)
         except BaseException:
@@ -270,10 +271,7 @@ class RowCache:
     def close(self) -> None:
         """Let another process fill the folder (the arrays read so far stay valid)."""
         if self._lock is not None:
-            import fcntl
-
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            os.close(self._lock)
+            locks.release(self._lock)
             self._lock = None
 
     def __enter__(self) -> RowCache:
@@ -370,24 +368,6 @@ class RowCache:
             self.commit(start)
             if bar is not None:
                 bar.close()
-
-
-def _lock_folder(folder: Path) -> int:
-    """An exclusive lock on ``folder/.lock`` (released when the descriptor is closed, also when the
-    process dies); says so in the log when it has to wait for another process."""
-    import fcntl
-
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process that is filling %s", folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def default_cache_dir() -> Path:
