@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -157,6 +158,29 @@ def worker_processes(parent: int) -> list[int]:
     return found
 
 
+def workers_mapping_the_snapshot(parent: int, root: Path, timeout: float = 60):
+    """The snapshot files under ``root``, the workers of ``parent`` and those that map the snapshot.
+
+    /readyz answers from whichever worker is up first, so the other one may still be loading its
+    model when the service counts as ready: wait (up to ``timeout``) until two workers map it.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        vectors = sorted(root.rglob("rev-*.vectors.npy"))
+        children = worker_processes(parent)  # the workers and multiprocessing's helper
+        mapping = []
+        for pid in children:
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            if any(str(v) in maps for v in vectors):
+                mapping.append(pid)
+        if len(mapping) >= 2 or time.monotonic() > deadline:
+            return vectors, children, mapping
+        time.sleep(0.2)
+
+
 def test_workers_share_one_mapped_gallery_and_serve_removes_it(
     default_model_dir, photos_dir, redis_binary, workdir
 ):
@@ -176,10 +200,8 @@ def test_workers_share_one_mapped_gallery_and_serve_removes_it(
         two = Service(default_model_dir, workdir / "two", redis.url, extra_env={"SPHEREFACE_WORKERS": "2"})
         root = Path(f"/dev/shm/sphereface-gallery-{two.process.pid}")
         try:
-            vectors = sorted(root.rglob("rev-*.vectors.npy"))
+            vectors, children, mapping = workers_mapping_the_snapshot(two.process.pid, root)
             assert len(vectors) == 1, vectors  # written once, by the worker that loaded Redis first
-            children = worker_processes(two.process.pid)  # the workers and multiprocessing's helper
-            mapping = [pid for pid in children if str(vectors[0]) in Path(f"/proc/{pid}/maps").read_text()]
             assert len(mapping) == 2, (children, mapping)
             for _ in range(4):
                 assert best(two, people / "biden" / "2.jpg") == "biden"
