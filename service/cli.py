@@ -114,6 +114,15 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="record the accuracy in the model's manifest (`sphereface models`)",
     )
+    lfw.add_argument(
+        "--with",
+        dest="with_models",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="also evaluate MODEL (repeatable) and the ensemble of all: each model's normalised "
+        "features side by side, equal weights (--json then holds every model and the ensemble)",
+    )
     lfw.set_defaults(func=_run_evaluate_lfw)
 
     marks = which.add_parser(
@@ -217,6 +226,8 @@ def _run_evaluate_lfw(args: argparse.Namespace) -> int:
     from training.lfw import run_lfw_evaluation
 
     args.model = resolve_model(args.model)
+    if args.with_models:
+        return _run_evaluate_lfw_ensemble(args)
     result = run_lfw_evaluation(
         model_dir=args.model,
         data_dir=args.data,
@@ -234,6 +245,44 @@ def _run_evaluate_lfw(args: argparse.Namespace) -> int:
         manifest.lfw = result.manifest_entry()
         save_manifest(args.model, manifest)
         print(f"wrote the LFW accuracy to {args.model}/manifest.json")
+    return 0
+
+
+def _run_evaluate_lfw_ensemble(args: argparse.Namespace) -> int:
+    """``evaluate lfw --with``: every model on its own, then their ensemble."""
+    import json
+    from pathlib import Path
+
+    from models.registry import resolve_model
+    from training.lfw import lfw_ensemble, plot_roc, run_lfw_evaluation
+
+    if args.write_lfw:
+        raise FacePathError("--write-lfw records one model's accuracy; leave it out with --with")
+    results = []
+    for model in [args.model, *(resolve_model(m) for m in args.with_models)]:
+        results.append(
+            run_lfw_evaluation(
+                model_dir=model,
+                data_dir=args.data,
+                landmarks=args.landmarks,
+                providers=args.providers,
+                batch_size=args.batch_size,
+            )
+        )
+        print(results[-1].summary())
+    ensemble = lfw_ensemble(results)
+    print(ensemble.summary())
+    if args.json_out:
+        report = {"models": [r.to_dict() for r in results], "ensemble": ensemble.to_dict()}
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot_roc(
+            ensemble.roc,
+            args.plot,
+            f"LFW ROC: ensemble of {len(results)} models (landmarks: {args.landmarks}), "
+            f"{100 * ensemble.accuracy:.2f}%\n" + " + ".join(ensemble.model_ids),
+        )
     return 0
 
 

@@ -13,9 +13,11 @@ from training.lfw import (
     LFWDataError,
     best_threshold,
     central_box,
+    concatenated_unit_features,
     grid_accuracies,
     landmark_error_stats,
     lfw_10fold_accuracy,
+    lfw_ensemble,
     plot_roc,
     read_landmarks,
     read_pairs,
@@ -380,6 +382,75 @@ def test_subset_keeps_the_first_same_and_different_pairs_of_each_fold(lfw_dir):
     assert subset.left[10] == pairs.left[300]
     with pytest.raises(ValueError, match="even"):
         pairs.subset(7)
+
+
+# --- ensembles ----------------------------------------------------------------------------------
+
+
+def test_concatenated_unit_features_score_the_mean_of_the_models_cosines():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=(6, 8)) * 5, rng.normal(size=(6, 4)) * 0.1  # different widths and scales
+    both = concatenated_unit_features([a, b])
+    assert both.shape == (6, 12)
+    np.testing.assert_allclose(np.linalg.norm(both, axis=1), 1.0)
+    cos = lambda x: _unit(x[:3]) @ _unit(x[3:]).T  # noqa: E731
+    np.testing.assert_allclose(both[:3] @ both[3:].T, (cos(a) + cos(b)) / 2, atol=1e-12)
+    with pytest.raises(ValueError, match="row counts"):
+        concatenated_unit_features([a, b[:5]])
+    with pytest.raises(ValueError, match="at least one"):
+        concatenated_unit_features([])
+
+
+@pytest.mark.shared_data
+@pytest.mark.slow
+def test_lfw_ensemble_of_two_real_models_scores_the_mean_cosine(
+    lfw_dir, reference_model_dir, default_model_dir
+):
+    """`sphereface evaluate lfw --with`: the reference MobileFaceNet and dlib's ResNet on the same
+    200 pairs; the ensemble's ROC is that of the mean of their cosines, and a model with itself is
+    the model alone."""
+    runs = [
+        run_lfw_evaluation(model, lfw_dir, landmarks="file", pairs_per_fold=10, progress=False)
+        for model in (reference_model_dir, default_model_dir)
+    ]
+    ensemble = lfw_ensemble(runs)
+    assert ensemble.model_ids == [r.model_id for r in runs]
+    cosines = []
+    for r in runs:
+        index = {n: i for i, n in enumerate(r.names)}
+        f = _unit(r.features.astype(np.float64))
+        cosines.append(
+            np.sum(f[[index[n] for n in r.pairs.left]] * f[[index[n] for n in r.pairs.right]], axis=1)
+        )
+    assert ensemble.roc.auc == pytest.approx(
+        roc_curve((cosines[0] + cosines[1]) / 2, runs[0].pairs.is_same).auc
+    )
+    alone = lfw_ensemble([runs[0], runs[0]])
+    assert alone.protocol.fold_accuracies == pytest.approx(runs[0].protocol.fold_accuracies)
+    assert alone.cosine.accuracy == pytest.approx(runs[0].cosine.accuracy)
+    assert "ensemble of" in ensemble.summary()
+    with pytest.raises(ValueError, match="at least two"):
+        lfw_ensemble(runs[:1])
+
+
+@pytest.mark.shared_data
+def test_evaluate_lfw_with_refuses_to_write_one_models_manifest(reference_model_dir, capsys):
+    from service.cli import main
+
+    code = main(
+        [
+            "evaluate",
+            "lfw",
+            "--model",
+            str(reference_model_dir),
+            "--with",
+            str(reference_model_dir),
+            "--data",
+            "nowhere",
+            "--write-lfw",
+        ]
+    )
+    assert code == 2 and "--write-lfw" in capsys.readouterr().err
 
 
 # --- end to end ---------------------------------------------------------------------------------

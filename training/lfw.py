@@ -912,6 +912,80 @@ def run_lfw_evaluation(
 
 
 # --------------------------------------------------------------------------------------------
+# Ensembles: several models' features side by side
+# --------------------------------------------------------------------------------------------
+
+
+def concatenated_unit_features(features: Sequence[np.ndarray]) -> np.ndarray:
+    """Each model's features L2-normalised, side by side, scaled to unit length: the cosine of two
+    such rows is the mean of the models' cosines (every model weighs the same)."""
+    if not features:
+        raise ValueError("an ensemble needs the features of at least one model")
+    rows = {len(f) for f in features}
+    if len(rows) != 1:
+        raise ValueError(f"the models' features have different row counts: {sorted(rows)}")
+    unit = [_unit_rows(np.asarray(f, dtype=np.float64)) for f in features]
+    return np.concatenate(unit, axis=1) / math.sqrt(len(unit))
+
+
+@dataclass
+class EnsembleEvaluation:
+    """LFW of several models at once: their fused features side by side (equal weights)."""
+
+    model_ids: list[str]
+    protocol: TenFoldResult
+    cosine: TenFoldResult
+    roc: RocCurve
+
+    @property
+    def accuracy(self) -> float:
+        return self.protocol.accuracy
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "models": self.model_ids,
+            "features": "each model's flip-fused features L2-normalised, side by side (equal weights)",
+            **self.protocol.to_dict(),
+            "cosine_protocol": self.cosine.to_dict(),
+            "roc": self.roc.to_dict(),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"ensemble of {' + '.join(self.model_ids)}: accuracy {100 * self.protocol.accuracy:.2f}% ± "
+            f"{100 * self.protocol.std:.2f}% (official protocol), {100 * self.cosine.accuracy:.2f}% ± "
+            f"{100 * self.cosine.std:.2f}% on the cosine; AUC {self.roc.auc:.5f}"
+        )
+
+
+def lfw_ensemble(evaluations: Sequence[LFWEvaluation]) -> EnsembleEvaluation:
+    """The official protocol, the service's cosine and the ROC on the models' features side by side.
+
+    Raises:
+        ValueError: fewer than two evaluations, or evaluations of different images or pairs.
+    """
+    if len(evaluations) < 2:
+        raise ValueError("an ensemble needs at least two models")
+    first = evaluations[0]
+    for other in evaluations[1:]:
+        if other.features is None or other.names != first.names or other.pairs is None:
+            raise ValueError(f"{other.model_id} was not evaluated on the same LFW images as {first.model_id}")
+        if not np.array_equal(other.pairs.is_same, first.pairs.is_same):
+            raise ValueError(f"{other.model_id} was not evaluated on the same pairs as {first.model_id}")
+    if first.features is None or first.pairs is None:
+        raise ValueError(f"{first.model_id} has no features to combine")
+    features = concatenated_unit_features([e.features for e in evaluations])  # type: ignore[misc]
+    left, right = pair_features(features, first.names, first.pairs)
+    pairs = first.pairs
+    return EnsembleEvaluation(
+        model_ids=[e.model_id for e in evaluations],
+        protocol=lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold),
+        cosine=lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold, subtract_mean=False),
+        roc=roc_curve(np.einsum("ij,ij->i", left, right), pairs.is_same),
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # Helpers for training and export: aligned crops
 # --------------------------------------------------------------------------------------------
 
