@@ -18,6 +18,7 @@ from training.lfw import (
     landmark_error_stats,
     lfw_10fold_accuracy,
     lfw_ensemble,
+    pair_features,
     plot_roc,
     read_landmarks,
     read_pairs,
@@ -417,11 +418,8 @@ def test_lfw_ensemble_of_two_real_models_scores_the_mean_cosine(
     assert ensemble.model_ids == [r.model_id for r in runs]
     cosines = []
     for r in runs:
-        index = {n: i for i, n in enumerate(r.names)}
-        f = _unit(r.features.astype(np.float64))
-        cosines.append(
-            np.sum(f[[index[n] for n in r.pairs.left]] * f[[index[n] for n in r.pairs.right]], axis=1)
-        )
+        left, right = pair_features(_unit(r.features.astype(np.float64)), r.names, r.pairs)
+        cosines.append(np.sum(left * right, axis=1))
     assert ensemble.roc.auc == pytest.approx(
         roc_curve((cosines[0] + cosines[1]) / 2, runs[0].pairs.is_same).auc
     )

@@ -966,17 +966,16 @@ def lfw_ensemble(evaluations: Sequence[LFWEvaluation]) -> EnsembleEvaluation:
     """
     if len(evaluations) < 2:
         raise ValueError("an ensemble needs at least two models")
-    first = evaluations[0]
+    first, pairs = evaluations[0], evaluations[0].pairs
+    if first.features is None or pairs is None:
+        raise ValueError(f"{first.model_id} has no features to combine")
     for other in evaluations[1:]:
         if other.features is None or other.names != first.names or other.pairs is None:
             raise ValueError(f"{other.model_id} was not evaluated on the same LFW images as {first.model_id}")
-        if not np.array_equal(other.pairs.is_same, first.pairs.is_same):
+        if not np.array_equal(other.pairs.is_same, pairs.is_same):
             raise ValueError(f"{other.model_id} was not evaluated on the same pairs as {first.model_id}")
-    if first.features is None or first.pairs is None:
-        raise ValueError(f"{first.model_id} has no features to combine")
     features = concatenated_unit_features([e.features for e in evaluations])  # type: ignore[misc]
-    left, right = pair_features(features, first.names, first.pairs)
-    pairs = first.pairs
+    left, right = pair_features(features, first.names, pairs)
     return EnsembleEvaluation(
         model_ids=[e.model_id for e in evaluations],
         protocol=lfw_10fold_accuracy(left, right, pairs.is_same, pairs.fold),
