@@ -140,6 +140,10 @@ class TrainConfig:
     init_from: str | None = None
     #: Threads for CPU training (0: torch's default).
     threads: int = 0
+    #: A teacher model (a name of `sphereface models` or a folder) whose pairwise cosines the
+    #: network learns to reproduce (training.distill), with this weight; 0 turns it off.
+    distill_from: str | None = None
+    distill_weight: float = 0.0
 
     @property
     def run_dir(self) -> Path:
@@ -202,6 +206,11 @@ class TrainConfig:
             (
                 self.hidden_mhe_projection == "none" or self.hidden_mhe_weight > 0,
                 "hidden_mhe_projection needs hidden_mhe_weight > 0",
+            ),
+            (self.distill_weight >= 0, "distill_weight must be >= 0"),
+            (
+                (self.distill_weight > 0) == bool(self.distill_from),
+                "distillation needs both distill_from (a teacher model) and distill_weight > 0",
             ),
             (
                 self.hidden_mhe_projection != "none" or not self.hidden_mhe_options,

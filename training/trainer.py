@@ -58,7 +58,7 @@ CHECKPOINT_NAME = "checkpoint.pt"
 #: Written when a run stops early on a NaN loss or collapsed features: step, reason, message.
 STOPPED_NAME = "stopped.json"
 LOG_COLUMNS = (
-    "step", "epoch", "loss", "accuracy", "lambda", "mhe", "feature_norm", "lr", "images_per_s",
+    "step", "epoch", "loss", "accuracy", "lambda", "mhe", "distill", "feature_norm", "lr", "images_per_s",
     "lfw_accuracy", "lfw_std", "elapsed_s",
 )  # fmt: skip
 
@@ -74,13 +74,13 @@ class FaceClassifier(nn.Module):
     def forward(self, images: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[Any, Any, dict]:
         """``(B, 3, 112, 96)``, ``(B,)`` -> (loss, logits ``(B, C)``, extras).
 
-        ``extras`` holds the head's logged values and ``feature_norm``, the batch's mean ||x||
-        (a detached device tensor).
+        ``extras`` holds the head's logged values, ``feature_norm``, the batch's mean ||x||
+        (a detached device tensor), and ``features`` themselves (for a distillation loss).
         """
         features = self.net(images)
         out = self.head(features, labels, step=step)
         feature_norm = features.detach().float().norm(dim=1).mean()
-        return out.loss, out.logits, {**out.extras, "feature_norm": feature_norm}
+        return out.loss, out.logits, {**out.extras, "feature_norm": feature_norm, "features": features}
 
 
 @dataclass
@@ -366,9 +366,13 @@ def plot_training_curves(log_path: str | Path, out: str | Path, title: str) -> P
     axes[0, 2].set_title("mean feature norm ||x||")
     axes[0, 2].set_ylim(bottom=0)
     has_mhe = np.isfinite(cols["mhe"])
+    has_distill = np.isfinite(cols["distill"])
     if has_mhe.any():
         axes[1, 2].plot(step[has_mhe], cols["mhe"][has_mhe], lw=1.2, color="tab:purple")
         axes[1, 2].set_title("output-layer MHE term (unweighted)")
+    elif has_distill.any():
+        axes[1, 2].plot(step[has_distill], cols["distill"][has_distill], lw=1.2, color="tab:purple")
+        axes[1, 2].set_title("distillation term: mean squared cosine gap (unweighted)")
     else:
         axes[1, 2].set_axis_off()
     ax = axes[1, 0]
@@ -561,6 +565,7 @@ class _Run:
     start_step: int
     hidden_mhe: Any = None
     opt: Any = None  # training.opt.OPTTraining when the config sets opt
+    teacher: Any = None  # training.distill.TeacherEmbedder when the config distils
     lfw_check: LFWCheck | None = None
     csv_log: CsvLog | None = None
     first_feature_norm: float | None = None
@@ -673,6 +678,8 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
             config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
             config.hidden_mhe_options, seed=config.seed,
         )  # fmt: skip
+    if config.distill_weight > 0:
+        run.teacher = _load_teacher(config, ctx)
     if config.lfw and ctx.is_main:
         run.lfw_check = LFWCheck(
             config.lfw, config.lfw_pairs_per_fold, ctx.device, bf16, config.lfw_landmarks
@@ -686,6 +693,18 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
             data.num_classes, run.start_step, config.steps,
         )  # fmt: skip
     return run
+
+
+def _load_teacher(config: TrainConfig, ctx: DistributedContext) -> Any:
+    from models.registry import resolve_model
+    from training.distill import TeacherEmbedder
+
+    try:
+        teacher = TeacherEmbedder(resolve_model(config.distill_from), ctx.device, threads=config.threads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    log.info("distilling %s's pairwise cosines, weight %g", teacher.model_id, config.distill_weight)
+    return teacher
 
 
 def _refine_opt_neurons(net: nn.Module, config: TrainConfig) -> None:
@@ -754,6 +773,12 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
         opt_penalty = run.opt.penalty() if run.opt is not None else None
         if opt_penalty is not None:
             total = total + opt_penalty
+        distill = None
+        if run.teacher is not None:
+            from training.distill import similarity_distillation_loss
+
+            distill = similarity_distillation_loss(extras["features"], run.teacher(images))
+            total = total + run.config.distill_weight * distill
     run.optimizer.zero_grad(set_to_none=True)
     total.backward()
     if run.opt is not None:
@@ -774,6 +799,8 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
     for key in ("lambda", "mhe"):
         if key in extras:
             values[key] = extras[key]
+    if distill is not None:
+        values["distill"] = distill.detach()
     return values
 
 
@@ -817,6 +844,7 @@ def _log_interval(run: _Run, done: int, stats: _IntervalStats, started: float, i
         "accuracy": means["accuracy"],
         "lambda": means.get("lambda"),
         "mhe": means.get("mhe"),
+        "distill": means.get("distill"),
         "feature_norm": means.get("feature_norm"),
         "lr": run.optimizer.param_groups[0]["lr"],
         "images_per_s": stats.images * run.ctx.world_size / max(now - stats.started, 1e-9),
