@@ -641,6 +641,55 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_combine(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "combine",
+        help="several models -> one ensemble model folder (their unit features side by side)",
+        description="One ONNX graph runs every model on the same crop, L2-normalises each output and "
+        "concatenates them (/ sqrt(k)): the cosine of two such embeddings is the mean of the models' "
+        "cosines. The models must take the same crop. With --lfw the folder is evaluated and "
+        "calibrated as `sphereface export --lfw` does.",
+    )
+    p.add_argument("models", nargs="+", help="model names (`sphereface models`) or folders, at least 2")
+    p.add_argument("--out", required=True, help="model folder to write")
+    p.add_argument("--name", required=True, help="model name")
+    p.add_argument("--version", required=True, help="model version")
+    p.add_argument(
+        "--licence", default=None, help="licence text (default: the parts' licence, when they agree)"
+    )
+    p.add_argument("--lfw", default=None, help="LFW folder: evaluate and calibrate thresholds on it")
+    p.add_argument("--landmarks", choices=("detect", "file"), default="detect", help="LFW landmarks source")
+    p.add_argument("--verification-far", type=float, default=1e-3)
+    p.add_argument("--identification-far", type=float, default=1e-4)
+    p.set_defaults(func=_run_combine)
+
+
+def _run_combine(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from models.ensemble import combine_models
+    from models.registry import resolve_model
+
+    parts = [resolve_model(model) for model in args.models]
+    out = Path(args.out)
+    if any(part.resolve() == out.resolve() for part in parts):
+        raise FacePathError(f"--out {out} is one of the models combined: write the ensemble elsewhere")
+    manifest, diff = combine_models(parts, out, name=args.name, version=args.version, licence=args.licence)
+    print(f"wrote {out} ({manifest.model_id}, {manifest.embedding_size}-d; parity with the parts {diff:.2g})")
+    if args.lfw is not None:
+        from training.export import evaluate_and_calibrate
+
+        manifest, report = evaluate_and_calibrate(
+            out, args.lfw, landmarks=args.landmarks, verification_far=args.verification_far,
+            identification_far=args.identification_far,
+        )  # fmt: skip
+        print(f"LFW {100 * report['lfw_accuracy']:.2f}% ± {100 * report['lfw_std']:.2f}%")
+        for role in ("verification", "identification"):
+            t = manifest.thresholds[role]
+            print(f"{role} threshold {t.value:.4f} at FAR {t.far:g}")
+    return 0
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -803,6 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_train(sub)
     _add_export(sub)
+    _add_combine(sub)
     _add_evaluate(sub)
     _add_calibrate(sub)
     _add_quantize(sub)

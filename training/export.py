@@ -140,20 +140,44 @@ def export_checkpoint(
     save_manifest(out_dir, manifest)
     report: dict[str, Any] = {"onnx_parity_max_abs_diff": diff, "checkpoint_step": int(state["step"])}
     if lfw_dir is not None:
-        from training.calibration import plot_calibration, run_calibration, write_calibration
-        from training.lfw import run_lfw_evaluation
-        from training.reports import write_json
-
-        result = run_lfw_evaluation(
-            out_dir, lfw_dir, landmarks=landmarks, json_out=out_dir / "lfw.json",
-            plot_out=out_dir / "lfw_roc.png", progress=progress,
+        manifest, measured = evaluate_and_calibrate(
+            out_dir, lfw_dir, landmarks=landmarks, verification_far=verification_far,
+            identification_far=identification_far, progress=progress,
         )  # fmt: skip
-        manifest = load_manifest_data(out_dir)
-        manifest.lfw = result.manifest_entry()
-        save_manifest(out_dir, manifest)
-        calibration = run_calibration(out_dir, lfw_dir, progress=progress)
-        write_json(out_dir / "calibration.json", calibration)
-        plot_calibration(calibration, out_dir / "calibration.png")
-        manifest = write_calibration(out_dir, calibration, verification_far, identification_far)
-        report.update(lfw_accuracy=result.accuracy, lfw_std=result.std, calibration=calibration["fars"])
+        report.update(measured)
     return manifest, report
+
+
+def evaluate_and_calibrate(
+    model_dir: str | Path,
+    lfw_dir: str | Path,
+    *,
+    landmarks: str = "detect",
+    verification_far: float = 1e-3,
+    identification_far: float = 1e-4,
+    progress: bool = True,
+) -> tuple[ModelManifest, dict[str, Any]]:
+    """LFW accuracy (``lfw.json``, ``lfw_roc.png``) and thresholds calibrated on every pair of LFW's
+    photos (``calibration.json``, ``calibration.png``) of a model folder, both written into its
+    manifest. Returns the manifest and the numbers."""
+    from training.calibration import plot_calibration, run_calibration, write_calibration
+    from training.lfw import run_lfw_evaluation
+    from training.reports import write_json
+
+    model_dir = Path(model_dir)
+    result = run_lfw_evaluation(
+        model_dir, lfw_dir, landmarks=landmarks, json_out=model_dir / "lfw.json",
+        plot_out=model_dir / "lfw_roc.png", progress=progress,
+    )  # fmt: skip
+    manifest = load_manifest_data(model_dir)
+    manifest.lfw = result.manifest_entry()
+    save_manifest(model_dir, manifest)
+    calibration = run_calibration(model_dir, lfw_dir, progress=progress)
+    write_json(model_dir / "calibration.json", calibration)
+    plot_calibration(calibration, model_dir / "calibration.png")
+    manifest = write_calibration(model_dir, calibration, verification_far, identification_far)
+    return manifest, {
+        "lfw_accuracy": result.accuracy,
+        "lfw_std": result.std,
+        "calibration": calibration["fars"],
+    }
