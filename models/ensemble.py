@@ -27,21 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from models.errors import ModelFolderError
-from models.manifest import MODEL_NAME, ModelManifest, load_manifest, save_manifest
+from models.manifest import INPUT_FIELDS, MODEL_NAME, ModelManifest, load_manifest, save_manifest
 from models.runtime import create_session
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "embedding"
-#: The crop and pixel fields every part must share (the embedding size may differ).
-SHARED_FIELDS = (
-    "template",
-    "input_height",
-    "input_width",
-    "color_order",
-    "pixel_mean",
-    "pixel_std",
-    "flip_fusion",
-)
 
 
 class EnsembleError(ModelFolderError):
@@ -56,7 +46,7 @@ def check_combinable(manifests: Sequence[ModelManifest]) -> None:
         raise EnsembleError(f"an ensemble needs at least 2 models, got {len(manifests)}")
     first = manifests[0]
     for other in manifests[1:]:
-        for key in SHARED_FIELDS:
+        for key in INPUT_FIELDS:
             if getattr(other, key) != getattr(first, key):
                 raise EnsembleError(
                     f"{other.model_id} has {key} = {getattr(other, key)!r} but {first.model_id} has "
@@ -169,7 +159,7 @@ def combine_models(
         version=version,
         architecture="ensemble of " + " + ".join(m.architecture for m in manifests),
         embedding_size=sum(m.embedding_size for m in manifests),
-        **{key: getattr(first, key) for key in SHARED_FIELDS},
+        **{key: getattr(first, key) for key in INPUT_FIELDS},
         training_data=_training_data_text(manifests),
         licence=licence if licence is not None else licences[0],
         source=f"sphereface combine: unit features of {len(dirs)} models side by side, / sqrt({len(dirs)}): "

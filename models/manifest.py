@@ -19,6 +19,16 @@ from models.errors import ModelFolderError
 MANIFEST_NAME = "manifest.json"
 MODEL_NAME = "model.onnx"
 FORMAT_VERSION = 1
+#: The fields that say what a model takes in (crop, pixels) and how it fuses a crop with its mirror.
+INPUT_FIELDS = (
+    "template",
+    "input_height",
+    "input_width",
+    "color_order",
+    "pixel_mean",
+    "pixel_std",
+    "flip_fusion",
+)
 
 
 @dataclass
@@ -75,17 +85,7 @@ class ModelManifest:
     def embedding_config(self) -> dict[str, Any]:
         """The fields besides the weights that decide which vector a photo gets (crop, pixels,
         flip fusion): two manifests with the same weights and config give the same embeddings."""
-        keys = (
-            "template",
-            "input_height",
-            "input_width",
-            "color_order",
-            "pixel_mean",
-            "pixel_std",
-            "flip_fusion",
-            "embedding_size",
-        )
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in (*INPUT_FIELDS, "embedding_size")}
 
     def validate(self) -> None:
         template = get_template(self.template)

@@ -606,6 +606,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="model folder to write")
     p.add_argument("--name", default=None, help="model name (default: the run's name)")
     p.add_argument("--version", default=None, help="model version (default: step<N>)")
+    _add_lfw_calibration_arguments(p)
+    p.set_defaults(func=_run_export)
+
+
+def _add_lfw_calibration_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lfw", default=None, help="LFW folder: evaluate and calibrate thresholds on it")
     p.add_argument(
         "--landmarks",
@@ -616,7 +621,6 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--verification-far", type=float, default=1e-3)
     p.add_argument("--identification-far", type=float, default=1e-4)
-    p.set_defaults(func=_run_export)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -633,12 +637,18 @@ def _run_export(args: argparse.Namespace) -> int:
         identification_far=args.identification_far,
     )
     print(f"wrote {args.out} ({manifest.model_id}; ONNX parity {report['onnx_parity_max_abs_diff']:.2g})")
-    if "lfw_accuracy" in report:
-        print(f"LFW {100 * report['lfw_accuracy']:.2f}% ± {100 * report['lfw_std']:.2f}%")
-        for role in ("verification", "identification"):
-            t = manifest.thresholds[role]
-            print(f"{role} threshold {t.value:.4f} at FAR {t.far:g}")
+    _print_lfw_and_thresholds(report, manifest)
     return 0
+
+
+def _print_lfw_and_thresholds(report: dict, manifest) -> None:
+    """What `export --lfw` and `combine --lfw` measured: LFW accuracy and the calibrated thresholds."""
+    if "lfw_accuracy" not in report:
+        return
+    print(f"LFW {100 * report['lfw_accuracy']:.2f}% ± {100 * report['lfw_std']:.2f}%")
+    for role in ("verification", "identification"):
+        t = manifest.thresholds[role]
+        print(f"{role} threshold {t.value:.4f} at FAR {t.far:g}")
 
 
 def _add_combine(sub: argparse._SubParsersAction) -> None:
@@ -657,10 +667,7 @@ def _add_combine(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--licence", default=None, help="licence text (default: the parts' licence, when they agree)"
     )
-    p.add_argument("--lfw", default=None, help="LFW folder: evaluate and calibrate thresholds on it")
-    p.add_argument("--landmarks", choices=("detect", "file"), default="detect", help="LFW landmarks source")
-    p.add_argument("--verification-far", type=float, default=1e-3)
-    p.add_argument("--identification-far", type=float, default=1e-4)
+    _add_lfw_calibration_arguments(p)
     p.set_defaults(func=_run_combine)
 
 
@@ -683,10 +690,7 @@ def _run_combine(args: argparse.Namespace) -> int:
             out, args.lfw, landmarks=args.landmarks, verification_far=args.verification_far,
             identification_far=args.identification_far,
         )  # fmt: skip
-        print(f"LFW {100 * report['lfw_accuracy']:.2f}% ± {100 * report['lfw_std']:.2f}%")
-        for role in ("verification", "identification"):
-            t = manifest.thresholds[role]
-            print(f"{role} threshold {t.value:.4f} at FAR {t.far:g}")
+        _print_lfw_and_thresholds(report, manifest)
     return 0
 
 
