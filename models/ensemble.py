@@ -27,11 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from models.errors import ModelFolderError
-from models.manifest import INPUT_FIELDS, MODEL_NAME, ModelManifest, load_manifest, save_manifest
+from models.manifest import (
+    INPUT_FIELDS,
+    INPUT_NAME,
+    MODEL_NAME,
+    OUTPUT_NAME,
+    ModelManifest,
+    load_manifest,
+    save_manifest,
+)
 from models.runtime import create_session
-
-INPUT_NAME = "input"
-OUTPUT_NAME = "embedding"
 
 
 class EnsembleError(ModelFolderError):
@@ -67,6 +72,8 @@ def combine_graphs(model_paths: Sequence[Path], opset: int = 18):
             OUTPUT_NAME
         ]:
             raise EnsembleError(f"{path} must have one input {INPUT_NAME!r} and one output {OUTPUT_NAME!r}")
+        if index == 0:
+            graph_input, ir_version = list(part.graph.input), part.ir_version
         part = compose.add_prefix(part, prefix=f"p{index}_", rename_inputs=False)
         nodes.extend(part.graph.node)
         initializers.extend(part.graph.initializer)
@@ -76,17 +83,14 @@ def combine_graphs(model_paths: Sequence[Path], opset: int = 18):
             helper.make_node("LpNormalization", [f"p{index}_{OUTPUT_NAME}"], [normalised], axis=1, p=2)
         )
         outputs.append(normalised)
-    first = onnx.load(str(model_paths[0]), load_external_data=False)
     scale = numpy_helper.from_array(np.array(1.0 / math.sqrt(len(model_paths)), np.float32), "ensemble_scale")
     initializers.append(scale)
     nodes.append(helper.make_node("Concat", outputs, ["ensemble_concat"], axis=1))
     nodes.append(helper.make_node("Mul", ["ensemble_concat", "ensemble_scale"], [OUTPUT_NAME]))
     output = helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", None])
-    graph = helper.make_graph(
-        nodes, "ensemble", list(first.graph.input), [output], initializers, value_info=value_info
-    )
+    graph = helper.make_graph(nodes, "ensemble", graph_input, [output], initializers, value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = first.ir_version
+    model.ir_version = ir_version
     onnx.checker.check_model(model)
     return model
 
@@ -109,18 +113,35 @@ def _training_data_text(manifests: Sequence[ModelManifest]) -> str:
     return " | ".join(f"{m.model_id}: {m.training_data}" for m in manifests)
 
 
-def ensemble_parity(model_dirs: Sequence[Path], combined: Path, batch: int = 3, seed: int = 0) -> float:
-    """Largest |combined - reference| on random crops, the reference computed part by part on
-    ONNX Runtime with numpy normalisation and concatenation."""
-    manifest = load_manifest(model_dirs[0])
-    shape = (batch, 3, manifest.input_height, manifest.input_width)
-    crops = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    parts = []
-    for directory in model_dirs:
-        out = create_session(directory / MODEL_NAME, "cpu").run(None, {INPUT_NAME: crops})[0]
-        parts.append(out / np.linalg.norm(out, axis=1, keepdims=True))
-    reference = np.concatenate(parts, axis=1) / math.sqrt(len(parts))
-    got = create_session(combined, "cpu").run(None, {INPUT_NAME: crops})[0]
+def concatenated_unit_features(features: Sequence[np.ndarray]) -> np.ndarray:
+    """Each model's features L2-normalised, side by side, scaled to unit length: the cosine of two
+    such rows is the mean of the models' cosines (every model weighs the same). What the combined
+    graph computes, in numpy."""
+    if not features:
+        raise ValueError("an ensemble needs the features of at least one model")
+    rows = {len(f) for f in features}
+    if len(rows) != 1:
+        raise ValueError(f"the models' features have different row counts: {sorted(rows)}")
+    unit = []
+    for f in features:
+        f = np.asarray(f, dtype=np.float64)
+        unit.append(f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12))
+    return np.concatenate(unit, axis=1) / math.sqrt(len(unit))
+
+
+def ensemble_parity(
+    model_dirs: Sequence[Path],
+    combined: Path,
+    input_shape: tuple[int, int, int],
+    batch: int = 3,
+    seed: int = 0,
+) -> float:
+    """Largest |combined - reference| on random inputs of ``input_shape`` (C, H, W), the reference
+    computed part by part on ONNX Runtime and joined by :func:`concatenated_unit_features`."""
+    crops = np.random.default_rng(seed).standard_normal((batch, *input_shape)).astype(np.float32)
+    run = lambda path: create_session(path, "cpu").run(None, {INPUT_NAME: crops})[0]  # noqa: E731
+    reference = concatenated_unit_features([run(d / MODEL_NAME) for d in model_dirs])
+    got = run(combined)
     if got.shape != reference.shape:
         raise EnsembleError(f"the combined graph gives {got.shape}, expected {reference.shape}")
     return float(np.abs(got - reference).max())
@@ -150,10 +171,10 @@ def combine_models(
     import onnx
 
     onnx.save(combine_graphs([d / MODEL_NAME for d in dirs]), str(out / MODEL_NAME))
-    diff = ensemble_parity(dirs, out / MODEL_NAME)
+    first = manifests[0]
+    diff = ensemble_parity(dirs, out / MODEL_NAME, (3, first.input_height, first.input_width))
     if diff > parity_atol:
         raise EnsembleError(f"the combined graph differs from its parts by {diff:.3g} (> {parity_atol:g})")
-    first = manifests[0]
     manifest = ModelManifest(
         name=name,
         version=version,

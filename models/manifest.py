@@ -18,6 +18,9 @@ from models.errors import ModelFolderError
 
 MANIFEST_NAME = "manifest.json"
 MODEL_NAME = "model.onnx"
+#: The one input ``(N, C, H, W)`` float32 and the one output ``(N, D)`` of every model.onnx.
+INPUT_NAME = "input"
+OUTPUT_NAME = "embedding"
 FORMAT_VERSION = 1
 #: The fields that say what a model takes in (crop, pixels) and how it fuses a crop with its mirror.
 INPUT_FIELDS = (

@@ -21,12 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from models.errors import ModelFolderError
+from models.manifest import INPUT_NAME, OUTPUT_NAME
 from models.runtime import create_session
 
 log = logging.getLogger(__name__)
 
-INPUT_NAME = "input"
-OUTPUT_NAME = "embedding"
 
 #: Loggers of the exporter's stack that report every graph pass at INFO; quietened during export.
 _CHATTY_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")

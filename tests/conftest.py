@@ -74,6 +74,16 @@ def default_thresholds(default_model_dir: Path) -> dict[str, float]:
     return {role: thresholds[role].value for role in ("verification", "identification")}
 
 
+@pytest.fixture(scope="module")
+def tiny_prepared(tmp_path_factory: pytest.TempPathFactory):
+    """Two identities of celeba_faces prepared by `sphereface prepare` (training smoke runs)."""
+    from training.prepare import prepare_dataset
+
+    source = require_shared("celeba_faces")
+    out = tmp_path_factory.mktemp("prepared") / "celeba2"
+    return prepare_dataset(source, out, limit_identities=2, workers=2, progress=False)
+
+
 @pytest.fixture(scope="session")
 def reference_model_dir(mobilefacenet_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference MobileFaceNet imported into a model folder once per test session."""

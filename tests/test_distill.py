@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.registry import PACKAGE_MODELS_DIR
+from tests.test_training import _smoke_overrides
 from training.config import ConfigError, load_config
 from training.distill import TeacherEmbedder, similarity_distillation_loss
 
@@ -69,13 +70,12 @@ def _teacher_gap(run_dir, crops: torch.Tensor, teacher: TeacherEmbedder) -> floa
 
 
 @pytest.mark.shared_data
-def test_distillation_brings_the_students_cosines_to_the_teachers(tmp_path):
-    from tests.test_training import _smoke_overrides
+def test_distillation_brings_the_students_cosines_to_the_teachers(tiny_prepared, tmp_path):
     from training.augment import to_network_input
     from training.prepare import load_training_set
     from training.trainer import train
 
-    prepared = _prepared(tmp_path)
+    prepared = tiny_prepared
     common = [
         *_smoke_overrides(prepared, tmp_path, "plain"),
         "head=asoftmax",
@@ -105,11 +105,3 @@ def test_distillation_brings_the_students_cosines_to_the_teachers(tmp_path):
         _teacher_gap(plain.run_dir, crops, teacher),
     )
     assert taught_gap < 0.8 * plain_gap, (taught_gap, plain_gap)
-
-
-def _prepared(tmp_path):
-    from tests.conftest import require_shared
-    from training.prepare import prepare_dataset
-
-    source = require_shared("celeba_faces")
-    return prepare_dataset(source, tmp_path / "celeba2", limit_identities=2, workers=2, progress=False)

@@ -13,7 +13,6 @@ from training.lfw import (
     LFWDataError,
     best_threshold,
     central_box,
-    concatenated_unit_features,
     grid_accuracies,
     landmark_error_stats,
     lfw_10fold_accuracy,
@@ -389,6 +388,8 @@ def test_subset_keeps_the_first_same_and_different_pairs_of_each_fold(lfw_dir):
 
 
 def test_concatenated_unit_features_score_the_mean_of_the_models_cosines():
+    from models.ensemble import concatenated_unit_features
+
     rng = np.random.default_rng(3)
     a, b = rng.normal(size=(6, 8)) * 5, rng.normal(size=(6, 4)) * 0.1  # different widths and scales
     both = concatenated_unit_features([a, b])

@@ -252,16 +252,6 @@ def test_streaming_loader_reports_a_dataset_smaller_than_a_batch():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_prepared(tmp_path_factory):
-    from tests.conftest import require_shared
-    from training.prepare import prepare_dataset
-
-    source = require_shared("celeba_faces")
-    out = tmp_path_factory.mktemp("prepared") / "celeba2"
-    return prepare_dataset(source, out, limit_identities=2, workers=2, progress=False)
-
-
 def _smoke_overrides(prepared, out_dir, name: str, *extra: str) -> list[str]:
     return [
         f"data={prepared.path}", f"out_dir={out_dir}", f"name={name}", "network=sphereface4",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.manifest import MODEL_NAME, load_manifest
+from models.manifest import INPUT_NAME, MODEL_NAME, load_manifest
 from models.runtime import create_session
 
 
@@ -56,9 +56,14 @@ class TeacherEmbedder:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """``(B, 3, 112, 96)`` network input -> the teacher's L2-normalised features ``(B, D)``."""
         batch = images.detach().float().cpu().contiguous().numpy()
-        out = self.session.run(None, {"input": batch})[0]
+        out = self.session.run(None, {INPUT_NAME: batch})[0]
         features = torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(self.device)
         return F.normalize(features, dim=1)
+
+    def distillation_loss(self, student_features: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """:func:`similarity_distillation_loss` of the student's features of ``images`` against
+        this teacher's."""
+        return similarity_distillation_loss(student_features, self(images))
 
 
 def similarity_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

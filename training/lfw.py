@@ -916,18 +916,6 @@ def run_lfw_evaluation(
 # --------------------------------------------------------------------------------------------
 
 
-def concatenated_unit_features(features: Sequence[np.ndarray]) -> np.ndarray:
-    """Each model's features L2-normalised, side by side, scaled to unit length: the cosine of two
-    such rows is the mean of the models' cosines (every model weighs the same)."""
-    if not features:
-        raise ValueError("an ensemble needs the features of at least one model")
-    rows = {len(f) for f in features}
-    if len(rows) != 1:
-        raise ValueError(f"the models' features have different row counts: {sorted(rows)}")
-    unit = [_unit_rows(np.asarray(f, dtype=np.float64)) for f in features]
-    return np.concatenate(unit, axis=1) / math.sqrt(len(unit))
-
-
 @dataclass
 class EnsembleEvaluation:
     """LFW of several models at once: their fused features side by side (equal weights)."""
@@ -974,6 +962,8 @@ def lfw_ensemble(evaluations: Sequence[LFWEvaluation]) -> EnsembleEvaluation:
             raise ValueError(f"{other.model_id} was not evaluated on the same LFW images as {first.model_id}")
         if not np.array_equal(other.pairs.is_same, pairs.is_same):
             raise ValueError(f"{other.model_id} was not evaluated on the same pairs as {first.model_id}")
+    from models.ensemble import concatenated_unit_features
+
     features = concatenated_unit_features([e.features for e in evaluations])  # type: ignore[misc]
     left, right = pair_features(features, first.names, pairs)
     return EnsembleEvaluation(

@@ -775,9 +775,7 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
             total = total + opt_penalty
         distill = None
         if run.teacher is not None:
-            from training.distill import similarity_distillation_loss
-
-            distill = similarity_distillation_loss(extras["features"], run.teacher(images))
+            distill = run.teacher.distillation_loss(extras["features"], images)
             total = total + run.config.distill_weight * distill
     run.optimizer.zero_grad(set_to_none=True)
     total.backward()
