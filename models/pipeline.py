@@ -19,6 +19,11 @@ from models.mtcnn import DEFAULT_THRESHOLDS, DetectedFace, MTCNNDetector, select
 
 #: What to do with a photo that shows several faces when one is expected.
 MULTIPLE_FACE_POLICIES = ("reject", "largest", "central", "all")
+#: How policy ``largest`` finds its face: ``coarse-to-fine`` stops scanning the pyramid once the
+#: faces left to find are smaller (:meth:`models.mtcnn.MTCNNDetector.detect_largest`, about twice
+#: as fast on phone photos, the same face and landmarks on every photo measured); ``full`` detects
+#: every face and keeps the largest.
+LARGEST_FACE_SEARCHES = ("coarse-to-fine", "full")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class FacePipeline:
         intra_op_threads: ONNX Runtime threads per operator (0: one per core).
         max_image_side: detect in large photos as if their longer side were this long (see
             :class:`models.mtcnn.MTCNNDetector`); None: full resolution.
+        largest_face_search: how policy ``largest`` finds its face (:data:`LARGEST_FACE_SEARCHES`).
     """
 
     def __init__(
@@ -52,7 +58,13 @@ class FacePipeline:
         intra_op_threads: int = 0,
         batch_size: int = 32,
         max_image_side: int | None = None,
+        largest_face_search: str = "coarse-to-fine",
     ) -> None:
+        if largest_face_search not in LARGEST_FACE_SEARCHES:
+            raise ValueError(
+                f"unknown largest_face_search {largest_face_search!r}; choose one of {LARGEST_FACE_SEARCHES}"
+            )
+        self.largest_face_search = largest_face_search
         self.embedder = Embedder(
             model_dir, providers, batch_size=batch_size, intra_op_threads=intra_op_threads
         )
@@ -85,7 +97,10 @@ class FacePipeline:
         (uint8, N x H x W x 3), so crops of many photos can be embedded in one batch."""
         if policy not in MULTIPLE_FACE_POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {MULTIPLE_FACE_POLICIES}")
-        found = self.detector.detect(image)
+        if policy == "largest" and self.largest_face_search == "coarse-to-fine":
+            found = self.detector.detect_largest(image)
+        else:
+            found = self.detector.detect(image)
         if not found:
             raise NoFaceError("no face was found in the photo")
         if policy == "reject":

@@ -137,6 +137,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
             min_face_size=settings.min_face_size,
             intra_op_threads=settings.intra_op_threads,
             max_image_side=settings.detect_max_side,
+            largest_face_search=settings.largest_face_search,
         )
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)

@@ -33,6 +33,12 @@ class Settings(BaseSettings):
         description="detect in photos with a longer side over this as if scaled down to it (faster; "
         "faces under min_face_size * side / detect_max_side are not looked for); null: full size",
     )
+    largest_face_search: Literal["coarse-to-fine", "full"] = Field(
+        "coarse-to-fine",
+        description="how a request for the largest face (verify's default) finds it: coarse-to-fine "
+        "stops scanning once the faces left are smaller (about 2x faster on phone photos; the same "
+        "face and landmarks on every photo measured); full: detect every face, keep the largest",
+    )
     max_upload_bytes: int = Field(MAX_IMAGE_BYTES, gt=0, description="per photo")
     max_image_pixels: int = Field(MAX_IMAGE_PIXELS, gt=0)
     max_photos_per_request: int = Field(16, gt=0)

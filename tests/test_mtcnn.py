@@ -398,3 +398,135 @@ def test_shipped_networks_run_in_onnx_runtimes_blocked_layout(name, tmp_path):
         assert sum(n.op_type == "Conv" for n in nodes) == 4 + 2 * 3  # 4 convolutions, 3 PReLUs
     assert sum(n.op_type == "ReorderInput" for n in nodes) == 0
     assert sum(n.op_type == "ReorderOutput" for n in nodes) <= 2
+
+
+def _box_iou(a: np.ndarray, b: np.ndarray) -> float:
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]) + 1)
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]) + 1)
+    area = lambda box: (box[2] - box[0] + 1) * (box[3] - box[1] + 1)  # noqa: E731
+    return float(w * h / (area(a) + area(b) - w * h))
+
+
+@pytest.fixture(scope="module")
+def service_detector() -> MTCNNDetector:
+    """The service's settings: photos searched as if their longer side were 1024 pixels."""
+    return MTCNNDetector(max_image_side=1024, intra_op_threads=1)
+
+
+@pytest.mark.shared_data
+def test_the_coarse_to_fine_search_finds_the_face_and_landmarks_a_full_scan_ranks_largest(
+    service_detector, photos_dir
+):
+    """Every test photo: the box and landmarks of detect + largest, with far fewer P-Net pixels."""
+    scanned = {"full": 0, "fast": 0}
+    pnet_run = service_detector._level_candidates
+
+    def counting(level, scale, way):
+        scanned[way] += level.size[0] * level.size[1]
+        return pnet_run(level, scale)
+
+    photos = _photos(photos_dir)
+    assert len(photos) >= 20
+    try:
+        for path in photos:
+            image = read_image(path, max_pixels=50_000_000)
+            service_detector._level_candidates = lambda level, scale: counting(level, scale, "full")
+            full = select_faces(service_detector.detect(image), "largest", image.shape)
+            service_detector._level_candidates = lambda level, scale: counting(level, scale, "fast")
+            fast = service_detector.detect_largest(image)
+            assert len(full) == len(fast) == 1, path.name
+            np.testing.assert_allclose(fast[0].box, full[0].box, atol=1e-3, err_msg=path.name)
+            np.testing.assert_allclose(fast[0].landmarks, full[0].landmarks, atol=1e-3, err_msg=path.name)
+    finally:
+        del service_detector._level_candidates
+    assert scanned["fast"] < scanned["full"] / 3, scanned
+
+
+@pytest.mark.shared_data
+def test_a_smaller_margin_stops_sooner_and_can_take_the_face_from_another_window(photos_dir, monkeypatch):
+    """The margin is what keeps the landmarks exact: at 1.5 the same faces are found, sooner, but
+    some from other windows (landmarks a few pixels off); at 2.5, none."""
+    import models.mtcnn as mtcnn
+
+    detector = MTCNNDetector(max_image_side=1024, intra_op_threads=1)
+    images = [read_image(p, max_pixels=50_000_000) for p in _photos(photos_dir)]
+    full = [select_faces(detector.detect(image), "largest", image.shape)[0] for image in images]
+    shifts, exact = {}, mtcnn.LARGEST_FACE_MARGIN
+    for margin in (1.5, exact):
+        monkeypatch.setattr(mtcnn, "LARGEST_FACE_MARGIN", margin)
+        fast = [detector.detect_largest(image)[0] for image in images]
+        shifts[margin] = [
+            np.abs(a.landmarks - b.landmarks).max() / np.sqrt(a.area) for a, b in zip(full, fast, strict=True)
+        ]
+    assert max(shifts[exact]) < 1e-4
+    assert sum(s > 1e-4 for s in shifts[1.5]) >= 3 and max(shifts[1.5]) < 0.05, shifts[1.5]
+
+
+@pytest.mark.shared_data
+def test_the_coarse_to_fine_search_over_every_level_is_exactly_the_full_scan(photos_dir, monkeypatch):
+    """With a margin no face meets, the search runs every level and must return exactly what
+    detect + largest returns: the lazily made levels and the crops cut from them are the same."""
+    import models.mtcnn as mtcnn
+
+    monkeypatch.setattr(mtcnn, "LARGEST_FACE_MARGIN", float("inf"))
+    detector = MTCNNDetector(max_image_side=1024, intra_op_threads=1)
+    for path in _photos(photos_dir)[::3]:
+        image = read_image(path, max_pixels=50_000_000)
+        full = select_faces(detector.detect(image), "largest", image.shape)[0]
+        fast = detector.detect_largest(image)[0]
+        np.testing.assert_array_equal(full.box, fast.box, err_msg=path.name)
+        np.testing.assert_array_equal(full.landmarks, fast.landmarks, err_msg=path.name)
+        assert full.score == fast.score
+
+
+@pytest.mark.shared_data
+def test_the_coarse_to_fine_search_keeps_the_large_face_beside_a_small_one(service_detector, photos_dir):
+    """A 100-pixel face and a 400-pixel face on one canvas, the small one on the left: the large one
+    is returned, and the search stops before the levels that would find the small one."""
+    image = read_image(photos_dir / "people" / "lennon" / "1.jpg")
+    face = select_faces(service_detector.detect(image), "largest", image.shape)[0]
+    x1, y1, x2, y2 = face.box.astype(int)
+    pad = (x2 - x1) // 3
+    region = Image.fromarray(image).crop((x1 - pad, y1 - pad, x2 + pad, y2 + pad))
+    canvas = Image.new("RGB", (1000, 700), (128, 128, 128))
+    canvas.paste(region.resize((150, 150), Image.Resampling.BOX), (50, 250))
+    canvas.paste(region.resize((600, 600), Image.Resampling.BOX), (350, 50))
+    photo = np.asarray(canvas)
+    both = service_detector.detect(photo)
+    assert len(both) == 2
+    fast = service_detector.detect_largest(photo)
+    assert len(fast) == 1 and fast[0].center[0] > 350 and fast[0].area > 4 * min(f.area for f in both)
+    assert np.abs(fast[0].landmarks - max(both, key=lambda f: f.area).landmarks).max() < 0.03 * 450
+
+
+def test_the_coarse_to_fine_search_finds_nothing_where_there_is_no_face(service_detector):
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    assert service_detector.detect(noise) == []
+    assert service_detector.detect_largest(noise) == []
+    assert service_detector.detect_largest(np.full((300, 300, 3), 128, np.uint8)) == []
+
+
+@pytest.mark.shared_data
+def test_the_pipeline_searches_coarse_to_fine_only_for_the_largest_face(default_model_dir, photos_dir):
+    from models.pipeline import FacePipeline
+
+    image = read_image(photos_dir / "people" / "obama" / "1.jpg")
+    for search, largest_way in (("coarse-to-fine", "detect_largest"), ("full", "detect")):
+        pipeline = FacePipeline(
+            default_model_dir, intra_op_threads=1, max_image_side=1024, largest_face_search=search
+        )
+        calls: list[str] = []
+        for name in ("detect", "detect_largest"):
+            method = getattr(pipeline.detector, name)
+            setattr(
+                pipeline.detector, name, lambda img, _m=method, _n=name, _c=calls: _c.append(_n) or _m(img)
+            )
+        faces, crops = pipeline.crops(image, "largest")
+        assert calls == [largest_way] and len(faces) == 1 and crops.shape[0] == 1
+        for policy in ("central", "all", "reject"):
+            calls.clear()
+            pipeline.crops(image, policy)
+            assert calls == ["detect"], (search, policy)
+    with pytest.raises(ValueError, match="largest_face_search"):
+        FacePipeline(default_model_dir, largest_face_search="fastest")
