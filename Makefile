@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -278,6 +278,11 @@ bench-service: install models torchvision-env
 bench-verify-default: install torchvision-env
 	$(BIN)/python bench/service.py --parts verify --model models/dlib_resnet_v1 \
 		--json docs/results/bench_service_verify_default.json
+
+# The largest face coarse to fine (what /v1/verify uses) against detecting every face: speed on the
+# phone photos, agreement, and LFW's protocol with each photo's largest face both ways (about 5 minutes).
+bench-largest-face: install
+	$(BIN)/python bench/largest_face.py --lfw $(SHARED)/data/lfw --json docs/results/bench_largest_face.json
 
 # Exact search at 1M and 10M faces: float32 against the int8 scan with exact re-rank, 5 interleaved
 # rounds (about 3 minutes, 16 GB of memory at 10M; docs/service.md "Search at 10M faces").
