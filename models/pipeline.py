@@ -20,9 +20,9 @@ from models.mtcnn import DEFAULT_THRESHOLDS, DetectedFace, MTCNNDetector, select
 #: What to do with a photo that shows several faces when one is expected.
 MULTIPLE_FACE_POLICIES = ("reject", "largest", "central", "all")
 #: How policy ``largest`` finds its face: ``coarse-to-fine`` stops scanning the pyramid once the
-#: faces left to find are smaller (:meth:`models.mtcnn.MTCNNDetector.detect_largest`, about twice
-#: as fast on phone photos, the same face and landmarks on every photo measured); ``full`` detects
-#: every face and keeps the largest.
+#: faces left to find are smaller (:meth:`models.mtcnn.MTCNNDetector.detect_largest`, 1.9 to 2.7
+#: times as fast on phone photos, the same face and landmarks on all but 2 of 7,721 photos
+#: measured); ``full`` detects every face and keeps the largest.
 LARGEST_FACE_SEARCHES = ("coarse-to-fine", "full")
 
 

@@ -530,3 +530,30 @@ def test_the_pipeline_searches_coarse_to_fine_only_for_the_largest_face(default_
             assert calls == ["detect"], (search, policy)
     with pytest.raises(ValueError, match="largest_face_search"):
         FacePipeline(default_model_dir, largest_face_search="fastest")
+
+
+@pytest.mark.shared_data
+def test_the_coarse_to_fine_search_cuts_and_runs_each_box_once(service_detector, photos_dir):
+    """The checks after each level reuse R-Net's and O-Net's outputs: no box is cut twice for a net."""
+    cut: list[tuple] = []
+    crops_all = service_detector._crops_all
+
+    def recording(sources, boxes, groups, size):
+        cut.extend((size, g, *b) for g, b in zip(groups.tolist(), boxes[:, :4].tolist(), strict=True))
+        return crops_all(sources, boxes, groups, size)
+
+    service_detector._crops_all = recording
+    try:
+        checks = 0
+        for path in _photos(photos_dir)[:8]:
+            cut.clear()
+            refine = service_detector._refine_one
+            calls = []
+            service_detector._refine_one = lambda *a, _r=refine, _c=calls: _c.append(1) or _r(*a)
+            service_detector.detect_largest(read_image(path, max_pixels=50_000_000))
+            del service_detector._refine_one
+            checks += len(calls) > 1
+            assert len(cut) == len(set(cut)), path.name
+    finally:
+        del service_detector._crops_all
+    assert checks >= 4  # photos checked after several levels, where boxes would repeat
