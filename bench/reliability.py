@@ -491,27 +491,41 @@ def scenario_hostile(model: Path, workdir: Path) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Reliability suite ({results['when']}, {results['machine']})", ""]
-    lines += [
+    """The tables of the scenarios ``results`` holds (a run with ``--only`` and no earlier JSON has
+    only some)."""
+    lines = [f"# Reliability suite ({results['when']}, {results['machine']})"]
+    if "load" in results:
+        lines += _load_table(results["load"])
+    for name in ("durability", "pause", "workers"):
+        if name in results:
+            lines += ["", f"## {name.capitalize()}", "", "| measure | value |", "|---|---|"]
+            lines += [f"| {key} | {value} |" for key, value in results[name].items()]
+    if "hostile" in results:
+        lines += _hostile_table(results["hostile"])
+    return "\n".join(lines) + "\n"
+
+
+def _load_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
         "## Load: `/v1/verify` of two phone photos, one worker",
         "",
         "| clients | honour Retry-After | requests | answered / s | p50 ms | p95 ms | p99 ms | answers "
         "| server errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in results["load"]:
+    for row in rows:
         codes = ", ".join(f"{k}: {v}" for k, v in sorted(row["codes"].items()))
         backoff = "yes" if row["honour Retry-After"] else "no: retry at once"
         lines.append(
             f"| {row['clients']} | {backoff} | {row['requests']} | {row['answered per s']} | {row['p50']} | "
             f"{row['p95']} | {row['p99']} | {codes} | {row['server errors']} |"
         )
-    for name in ("durability", "pause", "workers"):
-        lines += ["", f"## {name.capitalize()}", "", "| measure | value |", "|---|---|"]
-        for key, value in results[name].items():
-            lines.append(f"| {key} | {value} |")
-    hostile = results["hostile"]
-    lines += [
+    return lines
+
+
+def _hostile_table(hostile: dict) -> list[str]:
+    lines = [
         "",
         "## Hostile images (`/v1/embed`, one per request)",
         "",
@@ -525,7 +539,7 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {row['image']} | {row['bytes']:,} | {row['expected']} | {row['answer']} | {row['ms']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 SCENARIOS = ("load", "durability", "pause", "workers", "hostile")
