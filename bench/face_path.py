@@ -799,8 +799,42 @@ def load_torch_baseline(model_dir: Path, checkpoint: Path):
         from models.nets.dlib_resnet import DlibFaceResNet
 
         path = cached_dlib_file(DLIB_RESNET_FILE)
-        return DlibFaceResNet.from_dlib(parse_dlib_face_resnet(path.read_bytes(), path.name)).eval()
-    return load_torch_net(checkpoint)
+        net = DlibFaceResNet.from_dlib(parse_dlib_face_resnet(path.read_bytes(), path.name)).eval()
+    else:
+        net = load_torch_net(checkpoint)
+    require_same_network(net, model_dir, f"MobileFaceNet from {checkpoint}")
+    return net
+
+
+class BaselineMismatchError(ValueError):
+    """The PyTorch eager baseline does not compute what the model folder computes."""
+
+
+def require_same_network(net, model_dir: Path, what: str, min_cosine: float = 0.999) -> None:
+    """Refuse a baseline whose raw embedding of random crops differs from the ONNX model's (an
+    ensemble, or any model not exported from the checkpoint, would be timed against another
+    network)."""
+    embedder = Embedder(model_dir, "cpu", intra_op_threads=1)
+    manifest = embedder.manifest
+    crops = np.random.default_rng(0).integers(
+        0, 256, size=(2, manifest.input_height, manifest.input_width, 3), dtype=np.uint8
+    )
+    ours = embedder.raw(crops)
+    with torch.inference_mode():
+        eager = net(torch.from_numpy(preprocess(crops, manifest))).numpy()
+    if eager.shape != ours.shape:
+        raise BaselineMismatchError(
+            f"{model_dir} embeds into {ours.shape[1:]} but the eager baseline ({what}) into "
+            f"{eager.shape[1:]}: it is not the model's network; benchmark dlib_resnet_v1 or the model "
+            "exported from --checkpoint"
+        )
+    cosine = np.sum(eager * ours, axis=1) / (np.linalg.norm(eager, axis=1) * np.linalg.norm(ours, axis=1))
+    if float(cosine.min()) < min_cosine:
+        raise BaselineMismatchError(
+            f"the eager baseline ({what}) and {model_dir} disagree on random crops (cosine "
+            f"{float(cosine.min()):.4f} < {min_cosine}): it is not the model's network; benchmark "
+            "dlib_resnet_v1 or the model exported from --checkpoint"
+        )
 
 
 def bench_embedder(

@@ -30,7 +30,8 @@ def test_the_dlib_models_eager_baseline_is_the_served_network():
     np.testing.assert_allclose(eager, embedder.raw(crops), atol=1e-4)
 
 
-def test_the_verify_report_names_the_baseline_network_of_the_model():
+@pytest.mark.shared_data
+def test_the_verify_report_names_the_baseline_network_of_the_model(reference_model_dir):
     from bench.face_path import torch_baseline_name
     from bench.service import _render_verify
 
@@ -39,9 +40,20 @@ def test_the_verify_report_names_the_baseline_network_of_the_model():
     ).parent
     name = torch_baseline_name(dlib_dir)
     assert "dlib" in name and "MobileFaceNet" not in name
-    assert "MobileFaceNet" in torch_baseline_name(REPO_ROOT / "models" / "sphereface_celeba")
+    assert "MobileFaceNet" in torch_baseline_name(reference_model_dir)
 
     results = REPO_ROOT / "docs" / "results" / "bench_service_verify_default.json"
     report = dict(json.loads(results.read_text())["verify"], baseline_network=name)
     text = "\n".join(_render_verify(report))
     assert f"PyTorch eager {name}" in text and "eager MobileFaceNet" not in text
+
+
+@pytest.mark.shared_data
+def test_a_baseline_that_is_not_the_models_network_is_refused(reference_model_dir, mobilefacenet_checkpoint):
+    """The verify benchmark times the eager baseline against our model: a model the checkpoint did
+    not make (the two-network sphereface_celeba) is refused, the reference model is accepted."""
+    from bench.face_path import BaselineMismatchError, load_torch_baseline
+
+    with pytest.raises(BaselineMismatchError, match="not the model's network"):
+        load_torch_baseline(REPO_ROOT / "models" / "sphereface_celeba", mobilefacenet_checkpoint)
+    assert load_torch_baseline(reference_model_dir, mobilefacenet_checkpoint) is not None
