@@ -208,6 +208,14 @@ def run_mtcnn_net(session, pixels: np.ndarray) -> list[np.ndarray]:
     return session.run(None, {name: _normalize(pixels)})
 
 
+def _faces(boxes: np.ndarray, points: np.ndarray) -> list[DetectedFace]:
+    """O-Net's rows ``x1, y1, x2, y2, score`` and landmarks as faces."""
+    return [
+        DetectedFace(box=box[:4].copy(), score=float(box[4]), landmarks=pts)
+        for box, pts in zip(boxes, points, strict=True)
+    ]
+
+
 class PyramidImages:
     """One photo and the pyramid levels made from it, which crops may be cut from.
 
@@ -320,8 +328,8 @@ class MTCNNDetector:
         boxes, groups = self._stage_rnet(sources, boxes, groups)
         boxes, groups, points = self._stage_onet(sources, boxes, groups)
         results: list[list[DetectedFace]] = [[] for _ in images]
-        for box, group, pts in zip(boxes, groups, points, strict=True):
-            results[group].append(DetectedFace(box=box[:4].copy(), score=float(box[4]), landmarks=pts))
+        for group, face in zip(groups, _faces(boxes, points), strict=True):
+            results[group].append(face)
         for faces in results:
             faces.sort(key=lambda f: f.score, reverse=True)
         return results
@@ -341,9 +349,8 @@ class MTCNNDetector:
         face's box that O-Net scores higher would suppress the face in a full scan (O-Net's NMS by
         intersection over the smaller box), not here.
         """
-        pil = self._as_pil(image)
-        plan = self._pyramid_plan(pil)
-        images = PyramidImages(pil, plan, self._cascades(pil))
+        images = self._pyramid_images(self._as_pil(image))
+        plan = images.plan
         per_level: dict[int, np.ndarray] = {}
         memo: dict = {}  # R-Net's and O-Net's outputs per box, over the checks of this search
         faces: list[DetectedFace] = []
@@ -369,10 +376,7 @@ class MTCNNDetector:
         groups = np.zeros(len(boxes), dtype=np.int64)
         boxes, groups = self._stage_rnet([images], boxes, groups, memo)
         boxes, groups, points = self._stage_onet([images], boxes, groups, memo)
-        return [
-            DetectedFace(box=box[:4].copy(), score=float(box[4]), landmarks=pts)
-            for box, pts in zip(boxes, points, strict=True)
-        ]
+        return _faces(boxes, points)
 
     def landmarks_in_box(self, image: np.ndarray, box: Sequence[float]) -> DetectedFace:
         """Run O-Net alone on a given box (e.g. a fallback region when detection found nothing).
@@ -403,7 +407,13 @@ class MTCNNDetector:
             side *= self.scale_factor
         return scales
 
-    def _pyramid(self, pil: Image.Image) -> Iterator[tuple[float, Image.Image]]:
+    def _pyramid_images(self, pil: Image.Image) -> PyramidImages:
+        """The photo with its pyramid plan, no level made yet."""
+        return PyramidImages(pil, self._pyramid_plan(pil), self._cascades(pil))
+
+    def _pyramid(
+        self, pil: Image.Image, plan: list[tuple[float, tuple[int, int], int]] | None = None
+    ) -> Iterator[tuple[float, Image.Image]]:
         """(scale, level) of P-Net's image pyramid, largest first.
 
         Each level is a BOX (area-average) resize of the smallest image already made, the photo
@@ -414,9 +424,10 @@ class MTCNNDetector:
 
         The levels made from the photo, the costly ones, are resized side by side in threads for
         photos of :data:`PYRAMID_PARALLEL_MIN_PIXELS` or more (the same pixels, sooner: P-Net
-        starts on the first level while the others are still being made).
+        starts on the first level while the others are still being made). ``plan``:
+        :meth:`_pyramid_plan`'s, when the caller has made it already.
         """
-        plan = self._pyramid_plan(pil)
+        plan = self._pyramid_plan(pil) if plan is None else plan
         pool = self._resize_pool if pil.size[0] * pil.size[1] >= PYRAMID_PARALLEL_MIN_PIXELS else None
         from_photo: dict[int, Future] = {}
         if pool is not None:
@@ -466,10 +477,10 @@ class MTCNNDetector:
         (the photo, and its pyramid levels when it cascades)."""
         all_boxes, all_groups, sources = [], [], []
         for group, pil in enumerate(pils):
-            images = PyramidImages(pil, self._pyramid_plan(pil), self._cascades(pil))
+            images = self._pyramid_images(pil)
             sources.append(images)
             per_scale = []
-            for index, (scale, level) in enumerate(self._pyramid(pil), start=1):
+            for index, (scale, level) in enumerate(self._pyramid(pil, images.plan), start=1):
                 images.put(index, level)
                 found = self._level_candidates(level, scale)
                 if len(found):
