@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +317,7 @@ def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos
             read["pixels"] = 0
             with monkeypatch.context() as m:
                 m.setattr(Image.Image, "resize", counting_resize)
-                list(detector._pyramid(pil))
+                _all_levels(detector, pil)
             counts.append(read["pixels"])
         a, b = from_photo.detect(image), cascaded.detect(image)
         if image.shape[0] * image.shape[1] < PYRAMID_CASCADE_MIN_PIXELS:
@@ -331,21 +334,110 @@ def test_a_cascaded_pyramid_finds_the_same_faces_reading_far_fewer_pixels(photos
     assert max(diffs) < 0.05 and np.median(diffs) < 0.02, diffs
 
 
+def _all_levels(detector: MTCNNDetector, pil: Image.Image) -> list[Image.Image]:
+    images = detector._pyramid_images(pil)
+    return [images.get(index) for index in range(1, len(images.plan) + 1)]
+
+
 @pytest.mark.shared_data
-def test_pyramid_levels_resized_in_threads_are_the_pixels_of_the_serial_pyramid(photos_dir):
+def test_levels_scanned_side_by_side_give_the_serial_windows_and_faces(photos_dir, monkeypatch):
+    """Large photos have their levels made and scanned by P-Net in several threads (each on a
+    one-thread P-Net); the windows, faces and landmarks are exactly the serial scan's."""
     from models.mtcnn import PYRAMID_PARALLEL_MIN_PIXELS
 
     threaded, serial = MTCNNDetector(intra_op_threads=2), MTCNNDetector(intra_op_threads=1)
-    assert threaded._resize_pool is not None and serial._resize_pool is None
-    sizes = []
+    assert threaded._pool is not None and serial._pool is None
+    scanned_in: list[str] = []
+    original = MTCNNDetector._level_candidates
+
+    def recording(self, level, scale, pnet=None):
+        scanned_in.append(threading.current_thread().name)
+        return original(self, level, scale, pnet)
+
+    monkeypatch.setattr(MTCNNDetector, "_level_candidates", recording)
+    large, pool_threads = 0, set()
     for path in _photos(photos_dir):
+        image = read_image(path, max_pixels=50_000_000)
+        images = [detector._pyramid_images(Image.fromarray(image)) for detector in (threaded, serial)]
+        scanned_in.clear()
+        a = threaded._pnet_levels(images[0])
+        threads_used = set(scanned_in)
+        b = serial._pnet_levels(images[1])
+        assert len(a) == len(b) == len(images[0].plan), path.name
+        for x, y in zip(a, b, strict=True):
+            assert np.array_equal(x, y), path.name
+        if image.shape[0] * image.shape[1] >= PYRAMID_PARALLEL_MIN_PIXELS:
+            large += 1
+            assert all(name.startswith("mtcnn-level_") for name in threads_used), path.name
+            pool_threads |= threads_used
+        else:
+            assert threads_used == {threading.current_thread().name}, path.name
+        found, expected = threaded.detect(image), serial.detect(image)
+        assert [f.box.tolist() for f in found] == [f.box.tolist() for f in expected], path.name
+        assert all(np.array_equal(f.landmarks, g.landmarks) for f, g in zip(found, expected, strict=True))
+    assert large >= 10 and len(pool_threads) == 2
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("name, size", [("rnet", 24), ("onet", 48)])
+def test_crops_cut_while_the_network_runs_give_the_one_batch_outputs(photos_dir, name, size, monkeypatch):
+    """R-Net and O-Net on chunks of crops in the detector's threads, cut while earlier chunks run:
+    exactly the outputs of one batch on the detector's own session."""
+    from models import mtcnn
+
+    threaded = MTCNNDetector(intra_op_threads=2)
+    ran_in: list[str] = []
+    original = mtcnn.run_mtcnn_net
+
+    def recording(session, pixels):
+        ran_in.append(threading.current_thread().name)
+        return original(session, pixels)
+
+    chunked = 0
+    for path in _photos(photos_dir)[:8]:
         pil = Image.fromarray(read_image(path, max_pixels=50_000_000))
-        sizes.append(pil.size[0] * pil.size[1])
-        a, b = list(threaded._pyramid(pil)), list(serial._pyramid(pil))
-        assert [s for s, _ in a] == [s for s, _ in b], path.name
-        for (_, x), (_, y) in zip(a, b, strict=True):
-            assert x.size == y.size and x.tobytes() == y.tobytes(), path.name
-    assert sum(n >= PYRAMID_PARALLEL_MIN_PIXELS for n in sizes) >= 10
+        boxes, groups, sources = threaded._stage_pnet([pil])
+        boxes = np.trunc(boxes)
+        expected = threaded._run_net(
+            getattr(threaded, name), threaded._crops_all(sources, boxes, groups, size)
+        )
+        ran_in.clear()
+        with monkeypatch.context() as m:
+            m.setattr(mtcnn, "run_mtcnn_net", recording)
+            got = threaded._cut_and_run(name, sources, boxes, groups, size)
+        for x, y in zip(got, expected, strict=True):
+            assert np.array_equal(x, y), path.name
+        if len(boxes) >= mtcnn.CUT_MIN_BOXES:
+            chunked += 1
+            assert len(ran_in) == -(-len(boxes) // mtcnn.CUT_CHUNK), path.name
+            assert set(ran_in) == {"mtcnn-net_0"}, path.name
+        else:
+            assert ran_in == [threading.current_thread().name], path.name
+    assert chunked >= 4
+
+
+@pytest.mark.shared_data
+def test_levels_made_by_several_threads_at_once_are_made_once_with_the_serial_pixels(photos_dir, monkeypatch):
+    detector = MTCNNDetector(intra_op_threads=1)
+    path = max(_photos(photos_dir), key=lambda p: p.stat().st_size)
+    pil = Image.fromarray(read_image(path, max_pixels=50_000_000))
+    expected = _all_levels(detector, pil)
+    made: list[tuple[int, int]] = []
+    original_resize = Image.Image.resize
+
+    def slow_counting_resize(self, size, *args, **kwargs):
+        made.append(size)
+        time.sleep(0.002)  # widen the window in which two threads could both make a level
+        return original_resize(self, size, *args, **kwargs)
+
+    images = detector._pyramid_images(pil)
+    levels = list(range(1, len(images.plan) + 1))
+    monkeypatch.setattr(Image.Image, "resize", slow_counting_resize)
+    with ThreadPoolExecutor(8) as pool:  # every level asked for by 4 threads, smallest first
+        got = list(pool.map(images.get, [k for k in reversed(levels) for _ in range(4)]))
+    assert sorted(made) == sorted(size for _, size, _ in images.plan)
+    for index, level in zip([k for k in reversed(levels) for _ in range(4)], got, strict=True):
+        assert level.tobytes() == expected[index - 1].tobytes()
 
 
 @pytest.mark.parametrize("name", ["pnet", "rnet"])
