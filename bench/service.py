@@ -41,6 +41,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -172,27 +173,35 @@ def redis_server_info(client) -> dict[str, Any]:
 
 
 class StageTimer:
-    """Wraps functions and methods to add up the time spent in named stages (outermost call only)."""
+    """Wraps functions and methods to add up the time spent in named stages (outermost call only).
+
+    Calls from several threads at once (``/v1/verify`` detects its two photos side by side) each
+    add their own time, so a stage's seconds are added up over threads and can exceed wall time.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._depth = 0
+        self._local = threading.local()  # per thread: how deep in timed stages it is
+        self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
 
     def _wrap(self, stage: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if self._depth:  # inside another timed stage: counted there
+            depth = getattr(self._local, "depth", 0)
+            if depth:  # inside another timed stage of this thread: counted there
                 return fn(*args, **kwargs)
-            self._depth += 1
+            self._local.depth = 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[stage] += time.perf_counter() - t0
-                self.calls[stage] += 1
-                self._depth -= 1
+                elapsed = time.perf_counter() - t0
+                self._local.depth = 0
+                with self._lock:
+                    self.seconds[stage] += elapsed
+                    self.calls[stage] += 1
 
         return timed
 
