@@ -485,17 +485,19 @@ def _vs_reference(found: list[Found], reference: list[np.ndarray], limit_px: flo
 
 
 class _Tally:
-    """Seconds and calls added up from any thread."""
+    """Seconds and calls added up from any thread, and the threads they came from."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self.threads: set[int] = set()
         self._lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
         with self._lock:
             self.seconds += seconds
             self.calls += 1
+            self.threads.add(threading.get_ident())
 
 
 class _TimedSession:
@@ -572,7 +574,7 @@ def profile_ours(images: list[np.ndarray], threads: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     del plain
     ort_s = {name: tally.seconds for name, tally in tallies.items()}
-    overlapped = det._pool is not None
+    overlapped = any(tally.threads - {threading.get_ident()} for tally in tallies.values())
     prof = cProfile.Profile()
     prof.enable()
     for img in images:
