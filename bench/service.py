@@ -176,15 +176,36 @@ class StageTimer:
     """Wraps functions and methods to add up the time spent in named stages (outermost call only).
 
     Calls from several threads at once (``/v1/verify`` detects its two photos side by side) each
-    add their own time, so a stage's seconds are added up over threads and can exceed wall time.
+    add their own time, so a stage's seconds are added up over threads and can exceed wall time;
+    ``busy_seconds`` is the wall time during which any thread was in a timed stage.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.busy_seconds = 0.0
         self._local = threading.local()  # per thread: how deep in timed stages it is
         self._lock = threading.Lock()
+        self._inside = 0  # threads in a timed stage now
+        self._busy_since = 0.0
         self._undo: list[Callable[[], None]] = []
+
+    def _enter(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if self._inside == 0:
+                self._busy_since = now
+            self._inside += 1
+        return now
+
+    def _leave(self, stage: str, t0: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.seconds[stage] += now - t0
+            self.calls[stage] += 1
+            self._inside -= 1
+            if self._inside == 0:
+                self.busy_seconds += now - self._busy_since
 
     def _wrap(self, stage: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -193,15 +214,12 @@ class StageTimer:
             if depth:  # inside another timed stage of this thread: counted there
                 return fn(*args, **kwargs)
             self._local.depth = 1
-            t0 = time.perf_counter()
+            t0 = self._enter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - t0
                 self._local.depth = 0
-                with self._lock:
-                    self.seconds[stage] += elapsed
-                    self.calls[stage] += 1
+                self._leave(stage, t0)
 
         return timed
 
@@ -229,6 +247,7 @@ class StageTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.busy_seconds = 0.0
 
 
 def instrument_app(app, timer: StageTimer) -> None:
@@ -450,7 +469,8 @@ def verify_poster(client) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 def split_pass_app(app, post: Callable, pairs: list[dict[str, Any]]) -> dict[str, float]:
-    """One pass over the pairs with decode / detect / align / embed timed: ms per call."""
+    """One pass over the pairs with decode / detect / align / embed timed: ms per call, each stage
+    added up over the threads that ran it; ``other`` is the wall time in no stage."""
     timer = StageTimer()
     instrument_app(app, timer)
     try:
@@ -462,7 +482,7 @@ def split_pass_app(app, post: Callable, pairs: list[dict[str, Any]]) -> dict[str
         timer.restore()
     n = len(pairs)
     stages = {k: timer.seconds.get(k, 0.0) / n * 1e3 for k in ("decode", "detect", "align", "embed")}
-    stages["other"] = wall / n * 1e3 - sum(stages.values())
+    stages["other"] = (wall - timer.busy_seconds) / n * 1e3
     stages["total"] = wall / n * 1e3
     return stages
 
@@ -1326,7 +1346,11 @@ def _render_verify(v: dict[str, Any] | None) -> list[str]:
         [labels.get(s, s)] + [_fmt(st[c].get(s)) for c in st]
         for s in ("decode", "detect", "align", "embed", "other", "total")
     ]
-    out.append("Where the time goes (ms per verify call, both photos):")
+    out.append(
+        "Where the time goes (ms per verify call, both photos; a stage's time is added up over the "
+        "threads that ran it, so with the two photos side by side the stages can add up to more than "
+        "the total; other: the time in no stage):"
+    )
     out.append("")
     out.append(md_table(["stage"] + list(st), rows))
     out.append("")
