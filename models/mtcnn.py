@@ -381,6 +381,7 @@ class MTCNNDetector:
         """
         images = self._pyramid_images(self._as_pil(image))
         plan = images.plan
+        self._make_photo_levels_ahead(images)
         per_level: dict[int, np.ndarray] = {}
         memo: dict = {}  # R-Net's and O-Net's outputs per box, over the checks of this search
         faces: list[DetectedFace] = []
@@ -396,6 +397,21 @@ class MTCNNDetector:
                 if np.sqrt(largest.area) >= LARGEST_FACE_MARGIN * finer_window:
                     return [largest]
         return [max(faces, key=lambda f: f.area)] if faces else []
+
+    def _make_photo_levels_ahead(self, images: PyramidImages) -> None:
+        """Start making, in the detector's threads, the levels of a cascaded pyramid that are
+        resized from the photo itself, smallest first.
+
+        Those are the costly resizes (each reads the whole photo), and every level of a cascaded
+        pyramid is resized from one of them or from a level that is, so the coarse-to-fine search
+        needs them all even when it stops early (it did on every cascaded phone photo); made side
+        by side while the search starts on the first of them. Photos that do not cascade make
+        each level from the photo when it is reached, so nothing is made ahead for them."""
+        if self._pool is None or not images.cascades:
+            return
+        for index in range(len(images.plan), 0, -1):
+            if images.plan[index - 1][2] == 0:
+                self._pool.submit(images.get, index)
 
     def _refine_one(
         self, images: PyramidImages, per_scale: list[np.ndarray], memo: dict

@@ -649,3 +649,42 @@ def test_the_coarse_to_fine_search_cuts_and_runs_each_box_once(service_detector,
     finally:
         del service_detector._crops_all
     assert checks >= 4  # photos checked after several levels, where boxes would repeat
+
+
+@pytest.mark.shared_data
+def test_the_coarse_to_fine_search_with_threads_makes_the_photos_levels_ahead_once(
+    service_detector, photos_dir, monkeypatch
+):
+    """With threads, the levels a cascaded pyramid resizes from the photo are made ahead in the
+    detector's threads, each once, and the face and landmarks are those found on one thread."""
+    threaded = MTCNNDetector(max_image_side=1024, intra_op_threads=2)
+    from_photo: list[str] = []  # the thread of each resize that read a whole photo
+    original_resize = Image.Image.resize
+    photo_size: list[tuple[int, int]] = []
+
+    def recording_resize(self, size, *args, **kwargs):
+        if self.size == photo_size[0] and kwargs.get("box") is None and size[0] < self.size[0]:
+            from_photo.append(threading.current_thread().name)
+        return original_resize(self, size, *args, **kwargs)
+
+    cascaded = 0
+    for path in _photos(photos_dir):
+        image = read_image(path, max_pixels=50_000_000)
+        pil = Image.fromarray(image)
+        plan = threaded._pyramid_plan(pil)
+        expected = service_detector.detect_largest(image)
+        from_photo.clear()
+        photo_size[:] = [pil.size]
+        with monkeypatch.context() as m:
+            m.setattr(Image.Image, "resize", recording_resize)
+            found = threaded.detect_largest(image)
+        assert len(found) == len(expected) == 1, path.name
+        assert np.array_equal(found[0].box, expected[0].box), path.name
+        assert np.array_equal(found[0].landmarks, expected[0].landmarks), path.name
+        if threaded._cascades(pil):
+            cascaded += 1
+            assert len(from_photo) == sum(source == 0 for _, _, source in plan), path.name
+            assert any(name.startswith("mtcnn-level") for name in from_photo), path.name
+        else:
+            assert all(name == threading.current_thread().name for name in from_photo), path.name
+    assert cascaded >= 5
