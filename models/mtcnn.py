@@ -373,7 +373,7 @@ class MTCNNDetector:
         :data:`LARGEST_FACE_MARGIN` times the next level's window on a side, since the faces left
         to find are smaller. R-Net's and O-Net's outputs are kept per box from one check to the
         next. Levels are made only when reached, so a photo with a large face skips the largest
-        levels, the costly ones: 1.7 to 2.0 times as fast as a full scan on phone photos. The face
+        levels, the costly ones: 1.9 to 2.1 times as fast as a full scan on phone photos. The face
         and its landmarks are those :meth:`detect` ranks largest on all but 2 of the 7,721 photos
         measured (those 2 within 2.2 px). This is not a proof: a smaller false face inside the
         face's box that O-Net scores higher would suppress the face in a full scan (O-Net's NMS by
