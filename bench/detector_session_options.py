@@ -86,7 +86,9 @@ def pnet_operator_profile(images: list, max_side: int | None) -> dict[str, float
             options.profile_file_prefix = str(Path(folder) / "pnet")
 
         with session_options(configure):
-            det = MTCNNDetector(max_image_side=max_side)
+            # one stage at a time: every P-Net call then goes through det.pnet, the session profiled
+            # (side by side, a large photo's levels run on one-thread copies)
+            det = MTCNNDetector(max_image_side=max_side, side_by_side=False)
         for image in images + images:
             det.detect(image)
         events = json.loads(Path(det.pnet.end_profiling()).read_text())
