@@ -78,19 +78,19 @@ def measure(images: list[np.ndarray], max_side: int | None, rounds: int) -> dict
     """Every way at one ``max_image_side``: checked for the same faces, then timed in rounds."""
     variants = detectors(max_side)
     check_same_faces(variants, images)
-    pool = ThreadPoolExecutor(2)
     for det in variants.values():  # warm-up
         for image in images[:3]:
             det.detect(image)
     one: dict[str, list[float]] = {k: [] for k in variants}
     side: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            a, b = time_round(variants[name], images, pool)
-            one[name].append(a)
-            side[name].append(b)
-        print(f"max side {max_side}: round {r + 1}/{rounds} done", file=sys.stderr)
+    with ThreadPoolExecutor(2) as pool:
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                a, b = time_round(variants[name], images, pool)
+                one[name].append(a)
+                side[name].append(b)
+            print(f"max side {max_side}: round {r + 1}/{rounds} done", file=sys.stderr)
     return {
         "max_side": max_side,
         "same_faces": True,

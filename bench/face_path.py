@@ -508,14 +508,6 @@ class _TimedSession:
         self._session = session
         self.tally = tally if tally is not None else _Tally()
 
-    @property
-    def seconds(self) -> float:
-        return self.tally.seconds
-
-    @property
-    def calls(self) -> int:
-        return self.tally.calls
-
     def run(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
