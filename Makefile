@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -108,6 +108,10 @@ int8-model: install
 	$(BIN)/sphereface calibrate --model $(INT8_MODEL) --lfw $(SHARED)/data/lfw \
 		--json $(INT8_MODEL)/calibration.json --no-progress
 	$(BIN)/python bench/quantized.py --int8 $(INT8_MODEL) --json docs/results/bench_quantized.json
+
+# The command-line reference, written from the parser (tests/test_architecture.py checks it is current).
+cli-docs: install
+	$(BIN)/python -m models.cli_reference --out docs/reference/cli.md
 
 lint: install
 	$(BIN)/ruff check models training service tests bench

@@ -77,7 +77,7 @@ def main() -> int:
 
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "service.cli", "evaluate", "megaface", "--model", args.model]
+    cli = [sys.executable, "-m", "models.cli", "evaluate", "megaface", "--model", args.model]
     cli += ["--protocol", "local", "--data", args.data, "--no-progress"]
 
     # 1-2: real and augmented embeddings (cached; timed in their own process).

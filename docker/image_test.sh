@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # make image-test: build the CPU image here and check it (root, network, about 2 minutes; not part
-# of make test). What works on these machines (../shared/docs/CONTAINERS.md): a Debian base built
+# of make test). What works on machines that cannot start containers: a Debian base built
 # with debootstrap, `buildah bud`, and commands run inside the image with `buildah run` (no
 # container can be started). Inside the image it starts the service against a redis-server on
 # this machine and asks /readyz and a /v1/verify of two real photos; it prints the image sizes,
-# the time from start to ready, and that the serving image holds no torch.
+# the time from start to ready, and that the serving image holds no torch, no training code and no
+# matplotlib, and that its `sphereface` offers the service's commands and none of training's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared}
@@ -49,8 +50,15 @@ cleanup() {
   rm -rf "$redis_dir"
 }
 trap cleanup EXIT
-buildah run --isolation chroot "$container" -- python3 -c \
-  "import importlib.util as u; assert u.find_spec('torch') is None; print('no torch in the serving image')"
+buildah run --isolation chroot "$container" -- python3 -c "
+import importlib.util as u
+found = [m for m in ('torch', 'training', 'matplotlib') if u.find_spec(m) is not None]
+assert not found, found
+print('no torch, no training package, no matplotlib in the serving image')"
+commands=$(buildah run --isolation chroot "$container" -- sphereface --help)
+echo "$commands" | grep -qE '^ +serve ' && ! echo "$commands" | grep -qE '^ +(train|prepare|evaluate) ' \
+  || { echo "sphereface in the image should offer serve and no training command:"; echo "$commands"; exit 1; }
+echo "sphereface in the image: $(echo "$commands" | awk '/^    [a-z]/{print $1}' | tr '\n' ' ')"
 buildah run --isolation chroot "$container" -- python3 -c \
   "import os; assert os.getuid() == 10001, os.getuid(); print('runs as uid', os.getuid())"
 started=$(date +%s.%N)

@@ -95,7 +95,7 @@ def test_multi_node_training_uses_the_rendezvous_the_trainer_expects():
     assert job["spec"]["completions"] == job["spec"]["parallelism"]
     command = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert '--node-rank="$JOB_COMPLETION_INDEX"' in command and "--rdzv-backend=c10d" in command
-    assert "-m service.cli train" in command
+    assert "-m models.cli train" in command
     (service,) = kinds["Service"]
     assert service["spec"]["clusterIP"] == "None"
     assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
@@ -110,7 +110,7 @@ def test_megaface_shards_one_per_pod_then_one_search_over_all_of_them():
     search_command = search["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--extra-features" in search_command and "shard-*.json" in search_command
     # the command the pods run exists, with the options the manifest passes
-    from service.cli import main
+    from models.cli import main
 
     with pytest.raises(SystemExit) as shown:
         main(["evaluate", "megaface-shard", "--help"])
@@ -158,11 +158,15 @@ def test_an_empty_key_from_compose_means_no_key():
     assert Settings(api_key="s3cret").api_key.get_secret_value() == "s3cret"
 
 
-def test_the_serving_image_installs_no_torch():
+def test_the_serving_image_installs_no_torch_no_training_code_and_no_matplotlib():
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     serving = project["dependencies"] + project["optional-dependencies"]["cpu"]
     serving += project["optional-dependencies"]["gpu"]
-    assert not [d for d in serving if re.match(r"torch\b", d)], serving
+    assert not [d for d in serving if re.match(r"(torch|matplotlib)\b", d)], serving
+    assert [d for d in project["optional-dependencies"]["train"] if d.startswith("matplotlib")]
     dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
     assert re.search(r"ARG EXTRA=cpu", dockerfile) and "install --no-cache-dir" in dockerfile
-    assert "find_spec('torch') is not None" in dockerfile  # the build fails if torch sneaks in
+    copied = re.findall(r"^COPY (\S+)", dockerfile, re.MULTILINE)
+    assert "models" in copied and "service" in copied and "training" not in copied, copied
+    # the build fails if any of them sneaks in
+    assert "for m in ('torch', 'training', 'matplotlib')" in dockerfile

@@ -434,7 +434,7 @@ def test_lfw_ensemble_of_two_real_models_scores_the_mean_cosine(
 
 @pytest.mark.shared_data
 def test_evaluate_lfw_with_refuses_to_write_one_models_manifest(reference_model_dir, capsys):
-    from service.cli import main
+    from models.cli import main
 
     code = main(
         [

@@ -331,7 +331,7 @@ def test_tiny_real_set_answers_known_by_construction(tiny_sets, reference_model_
     assert raw["verification"]["50"]["n_impostor"] == 10 * 50
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["results"]["raw"]["identification"]["50"]["rank1"] == 1.0
-    from service.cli import main
+    from models.cli import main
 
     out_md = tmp_path / "t.md"
     assert main(["report", str(tmp_path / "out.json"), "--names", "tiny", "--out", str(out_md)]) == 0
@@ -401,7 +401,7 @@ def test_local_protocol_sets(shared_data):
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
-    from service.cli import main
+    from models.cli import main
 
     code = main(["evaluate", "megaface", "--model", str(tmp_path), "--protocol", "local"])
     assert code == 2
@@ -431,7 +431,7 @@ def test_face_set_subset_and_digest(tmp_path):
 def test_distractors_embedded_in_shards_give_the_same_search(tiny_sets, default_model_dir, tmp_path):
     """The distributed path (deploy/megaface): every pod embeds every N-th distractor into its own
     .npy; the search over all shards' files equals the search over the whole set."""
-    from service.cli import main
+    from models.cli import main
     from training.megaface import embed_distractor_shard, load_face_set, shard_of
 
     probes, distractors = tiny_sets

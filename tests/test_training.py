@@ -448,7 +448,7 @@ def test_two_processes_under_torchrun_train_one_model(tiny_prepared, tmp_path):
     import sys
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "service.cli", "train",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "models.cli", "train",
         "--no-progress", "--set", f"data={tiny_prepared.path}", "--set", f"out_dir={tmp_path}",
         "--set", "name=ddp", "--set", "network=sphereface4", "--set", "batch_size=8", "--set", "steps=2",
         "--set", "log_every=1", "--set", 'lfw=""', "--set", "threads=1",

@@ -1,0 +1,141 @@
+"""``sphereface`` subcommands of the service package: run the REST service, manage its API keys and
+its gallery. Registered through the ``sphereface.commands`` entry points (see :mod:`models.cli`);
+``serve`` never imports torch or the training package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve``, ``keys`` and ``gallery`` to the ``sphereface`` parser."""
+    _add_serve(sub)
+    _add_keys(sub)
+    _add_gallery(sub)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the REST service",
+        description="Run the API (default 127.0.0.1:8000, the default model). With no REDIS_URL, a "
+        "local redis-server keeps the gallery in DATA_DIR/redis (append-only, fsync always). Every "
+        "flag also reads from SPHEREFACE_<NAME> (see service/settings.py).",
+    )
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name (`sphereface models`) or folder (default: default = dlib_resnet_v1)",
+    )
+    p.add_argument("--data-dir", default=None, help="local Redis data and admin key (default .sphereface)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    p.set_defaults(func=_run_serve)
+
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from service.main import serve
+
+    return serve(
+        host=args.host, port=args.port, model=args.model, data_dir=args.data_dir, workers=args.workers
+    )
+
+
+
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="API keys of the service (stored hashed in Redis)",
+        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command "
+        "when the service is not running).",
+    )
+    p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
+    which = p.add_subparsers(dest="action", required=True)
+    create = which.add_parser("create", help="create a key and print it (shown once)")
+    create.add_argument("--scope", choices=("read", "admin"), required=True)
+    create.add_argument("--name", default="", help="a label for the key")
+    revoke = which.add_parser("revoke", help="revoke a key by its id or the whole key")
+    revoke.add_argument("key", help="key id (12 hex digits) or the key")
+    which.add_parser("list", help="list keys (id, scope, name, created)")
+    p.set_defaults(func=_run_keys)
+
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    import redis
+
+    from service.auth import create_key, list_keys, revoke_key
+    from service.main import gallery_redis
+    from service.settings import Settings
+
+    settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+    prefix = settings.redis_prefix
+    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+        if args.action == "create":
+            key, info = create_key(client, args.scope, args.name, prefix=prefix)
+            print(key)
+            print(f"created {info.scope} key {info.key_id}; it is shown only now", file=sys.stderr)
+        elif args.action == "revoke":
+            if not revoke_key(client, args.key, prefix=prefix):
+                print(f"error [key_not_found]: no key {args.key[:16]!r}", file=sys.stderr)
+                return 2
+            print("revoked")
+        else:
+            for info in list_keys(client, prefix=prefix):
+                print(f"{info.key_id}  {info.scope:5}  {info.created_at}  {info.name}")
+    return 0
+
+
+
+def _add_gallery(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gallery",
+        help="gallery tools: faces per model, re-embed for another model",
+        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command when the "
+        "service is not running).",
+    )
+    p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
+    which = p.add_subparsers(dest="action", required=True)
+    which.add_parser("models", help="how many faces each model has in the gallery")
+    reembed = which.add_parser(
+        "reembed",
+        help="embed every enrolled photo again with a model (from the face regions stored at enrollment)",
+    )
+    reembed.add_argument("--model", default="default", help="the model to embed for (name or folder)")
+    reembed.add_argument("--dry-run", action="store_true", help="count what would be done")
+    reembed.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_gallery)
+
+
+
+def _run_gallery(args: argparse.Namespace) -> int:
+    import redis
+
+    from service.gallery.store import GalleryStore
+    from service.main import gallery_redis
+    from service.settings import Settings
+
+    settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+        store = GalleryStore(
+            client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+        )
+        store.ensure_schema()
+        if args.action == "models":
+            counts = store.faces_per_model()
+            for model_id, count in sorted(counts.items()):
+                print(f"{count:>9}  {model_id}")
+            if not counts:
+                print("the gallery has no faces")
+            return 0
+        from models.embedder import Embedder
+        from models.registry import resolve_model
+        from service.gallery.reembed import reembed_gallery
+
+        embedder = Embedder(resolve_model(args.model), "cpu", batch_size=32)
+        report = reembed_gallery(store, embedder, dry_run=args.dry_run, progress=not args.no_progress)
+        print(report.summary())
+    return 0
