@@ -11,6 +11,7 @@ and ``sphereface --help`` is instant. Also runs as ``python -m models.cli`` (e.g
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -52,6 +53,32 @@ def command_groups() -> list[tuple[str, Register]]:
     return groups
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [
+        sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for sub in dict.fromkeys(action.choices.values())
+    ]
+
+
+def share_options_with_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Let every option of a command also be given after its subcommands: ``sphereface keys
+    --data-dir D create`` and ``sphereface keys create --data-dir D`` mean the same. The copies
+    default to ``SUPPRESS``, so a value given before the subcommand is kept when none comes after."""
+    for sub in _subparsers(parser):
+        taken = {text for action in sub._actions for text in action.option_strings}
+        for action in parser._actions:
+            if not action.option_strings or taken.intersection(action.option_strings):
+                continue
+            if isinstance(action, argparse._HelpAction):
+                continue
+            shared = copy.copy(action)
+            shared.default = argparse.SUPPRESS
+            sub._add_action(shared)
+        share_options_with_subcommands(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``sphereface`` parser, from every installed command group."""
     parser = argparse.ArgumentParser(
@@ -62,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for _, register in command_groups():
         register(sub)
+    share_options_with_subcommands(parser)
     return parser
 
 

@@ -222,7 +222,7 @@ def test_the_cli_reference_names_every_command_and_option():
             missing.append(" ".join(path))
             continue
         section = reference.split(heading, 1)[1].split("\n#", 1)[0]
-        missing += [f"{' '.join(path)} {option}" for option in option_strings(parser) if option not in section]
+        missing += [f"{' '.join(path)} {opt}" for opt in option_strings(parser) if opt not in section]
     assert missing == [], "run `make cli-docs`"
 
 
@@ -240,3 +240,27 @@ def test_a_package_that_is_not_installed_adds_no_commands(monkeypatch: pytest.Mo
     monkeypatch.setattr(models.cli, "entry_points", lambda group: entries)
     assert [name for name, _ in models.cli.command_groups()] == ["service"]
     assert "serve" in models.cli.build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["keys", "--data-dir", "D", "create", "--scope", "read"],
+        ["keys", "create", "--scope", "read", "--data-dir", "D"],
+        ["-v", "gallery", "--data-dir", "D", "models"],
+        ["gallery", "models", "--data-dir", "D", "-v"],
+    ],
+)
+def test_options_work_before_or_after_the_subcommand(argv: list[str]):
+    from models.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.data_dir == "D"
+    assert args.verbose is ("-v" in argv)
+
+
+def test_an_option_given_before_the_subcommand_is_kept_when_none_follows():
+    from models.cli import build_parser
+
+    assert build_parser().parse_args(["keys", "--data-dir", "D", "list"]).data_dir == "D"
+    assert build_parser().parse_args(["keys", "list"]).data_dir is None
