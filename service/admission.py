@@ -18,9 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from fastapi.responses import JSONResponse
-
-from service.errors import ServiceError
+from service.errors import ServiceError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +28,6 @@ FACE_PATHS = re.compile(r"^/v1/(verify|embed|identify|enroll|subjects/[^/]+/face
 
 class OverloadedError(ServiceError):
     code = "overloaded"
-    http_status = 503
 
 
 class Admission:
@@ -52,11 +49,7 @@ class Admission:
     async def _refuse(self, scope, receive, send, why: str) -> None:
         self.shed += 1
         error = OverloadedError(f"the service is busy ({why}); try again in {self.retry_after} s")
-        response = JSONResponse(
-            status_code=error.http_status,
-            content=error.as_dict(),
-            headers={"Retry-After": str(self.retry_after)},
-        )
+        response = error_response(error, headers={"Retry-After": str(self.retry_after)})
         await response(scope, receive, send)
 
     async def __call__(self, scope, receive, send) -> None:

@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from models.pipeline import FacePipeline
 from service.admission import Admission, PixelBudget, default_face_limit
 from service.auth import AuthGate, require_read
@@ -23,6 +23,7 @@ from service.errors import (
     RedisSetupError,
     RedisUnavailableError,
     RequestTooLargeError,
+    error_response,
     redis_unavailable,
 )
 from service.gallery.index import LiveIndex
@@ -70,10 +71,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(
-                status_code=413,
-                content=RequestTooLargeError(f"the request body is over {self.limit} bytes").as_dict(),
-            )
+            response = error_response(RequestTooLargeError(f"the request body is over {self.limit} bytes"))
             return await response(scope, receive, send)
         seen = 0
 
@@ -198,24 +196,21 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     app.state.pixel_budget = PixelBudget(settings.decode_pixel_budget or 2 * settings.max_image_pixels)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
-    @app.exception_handler(FacePathError)
-    async def face_path_error(_: Request, exc: FacePathError) -> JSONResponse:
-        return JSONResponse(status_code=exc.http_status, content=exc.as_dict())
+    @app.exception_handler(SphereFaceError)
+    async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
+        return error_response(exc)
 
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def redis_down(_: Request, exc: redis.RedisError) -> JSONResponse:
-        error = redis_unavailable(exc)
-        return JSONResponse(status_code=error.http_status, content=error.as_dict())
+        return error_response(redis_unavailable(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if isinstance(exc.__cause__, FacePathError):  # FastAPI's 400 for a body it could not read
-            cause = exc.__cause__
-            return JSONResponse(status_code=cause.http_status, content=cause.as_dict())
+        if isinstance(exc.__cause__, SphereFaceError):  # FastAPI's 400 for a body it could not read
+            return error_response(exc.__cause__)
         if exc.status_code == 400:  # a body that is not JSON, or a broken form: the documented 422
-            error = InvalidRequestError(f"the request body could not be read: {exc.detail}")
-            return JSONResponse(status_code=error.http_status, content=error.as_dict())
+            return error_response(InvalidRequestError(f"the request body could not be read: {exc.detail}"))
         headers = dict(exc.headers or {})
         if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
             headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))

@@ -30,7 +30,6 @@ from typing import Annotated, Literal
 import redis as redis_lib
 from fastapi import Request, Security
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 
 from service.errors import (
@@ -39,6 +38,7 @@ from service.errors import (
     MissingApiKeyError,
     RedisUnavailableError,
     ServiceError,
+    error_response,
     redis_unavailable,
 )
 
@@ -252,8 +252,7 @@ class AuthGate:
         try:
             principal = await run_in_threadpool(request_principal, scope["app"].state, presented)
         except ServiceError as exc:
-            response = JSONResponse(status_code=exc.http_status, content=exc.as_dict())
-            return await response(scope, receive, send)
+            return await error_response(exc)(scope, receive, send)
         scope.setdefault("state", {})["principal"] = principal
         return await self.app(scope, receive, send)
 

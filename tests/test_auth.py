@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from service.auth import (
     ApiKeyInfo,
     Principal,
@@ -27,7 +27,7 @@ from service.auth import (
     require_read,
     revoke_key,
 )
-from service.errors import InvalidApiKeyError, MissingApiKeyError, RedisUnavailableError
+from service.errors import InvalidApiKeyError, MissingApiKeyError, RedisUnavailableError, error_response
 from service.settings import Settings
 
 ENV_KEY = "an-admin-key-from-the-environment"
@@ -50,9 +50,9 @@ def make_app(client: redis.Redis | None, **settings) -> FastAPI:
         assert request.state.principal == principal
         return {"key_id": principal.key_id, "deleted": subject_id}
 
-    @app.exception_handler(FacePathError)
-    async def face_path_error(_: Request, exc: FacePathError) -> JSONResponse:
-        return JSONResponse(status_code=exc.http_status, content=exc.as_dict())
+    @app.exception_handler(SphereFaceError)
+    async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
+        return error_response(exc)
 
     return app
 

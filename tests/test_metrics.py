@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.errors import FacePathError, NoFaceError
+from models.errors import NoFaceError, SphereFaceError
+from service.errors import error_response
 from service.metrics import (
     MULTIPROC_ENV,
     STAGES,
@@ -78,9 +79,9 @@ def make_app(metrics: Metrics, gallery_stats=None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.exception_handler(FacePathError)
-    async def face_path_error(_: Request, exc: FacePathError) -> JSONResponse:
-        return JSONResponse(status_code=exc.http_status, content=exc.as_dict())
+    @app.exception_handler(SphereFaceError)
+    async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
+        return error_response(exc)
 
     add_metrics_route(app, metrics, gallery_stats)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from models.align import SPHEREFACE_TEMPLATE_112x96, similarity_transform
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from models.mtcnn import MTCNNDetector, select_faces
 from tests.conftest import require_shared
 from training.prepare import (
@@ -307,7 +307,7 @@ def test_unreadable_and_faceless_photos_are_skipped_and_labels_stay_contiguous(
 def test_a_missing_or_empty_source_gives_a_typed_error(tmp_path):
     with pytest.raises(DatasetError) as info:
         prepare_dataset(tmp_path / "no_such_folder", tmp_path / "out", progress=False)
-    assert isinstance(info.value, FacePathError) and info.value.code == "dataset_error"
+    assert isinstance(info.value, SphereFaceError) and info.value.code == "dataset_error"
     assert "no_such_folder" in info.value.message
     empty = tmp_path / "empty"
     empty.mkdir()

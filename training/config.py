@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 
 if TYPE_CHECKING:
     from models.nets.hyperspherical import HypersphericalSettings
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from training.augment import AugmentOptions
 
 
-class ConfigError(FacePathError):
+class ConfigError(SphereFaceError):
     """A config file or override is invalid; the message names the field."""
 
     code = "invalid_config"

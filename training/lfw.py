@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from training import locks
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ NO_FACE_POLICY = (
 LANDMARK_MODES = ("file", "detect")
 
 
-class LFWDataError(FacePathError):
+class LFWDataError(SphereFaceError):
     """An LFW file is missing or malformed; the message names the file and the line."""
 
     code = "invalid_lfw_data"

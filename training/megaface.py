@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import FacePathError
+from models.errors import FacePathError, SphereFaceError
 from training import locks
 from training.lfw import _ordered_map, detect_central_landmarks, false_accepts_allowed, far_label
 
@@ -84,11 +84,10 @@ AUGMENTATION_DESCRIPTION = (
 )
 
 
-class MegaFaceDataError(FacePathError):
+class MegaFaceDataError(SphereFaceError):
     """A probe or distractor set, a list file or a cache that cannot be used."""
 
     code = "megaface_data"
-    http_status = 422
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from models.align import SPHEREFACE_TEMPLATE_112x96
-from models.errors import FacePathError
+from models.errors import FacePathError, SphereFaceError
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,10 @@ _SHARD_FILES = ("images_{:05d}.npy", "labels_{:05d}.npy", "meta_{:05d}.json")
 _META_RE = re.compile(r"^meta_(\d{5,})\.json$")
 
 
-class DatasetError(FacePathError):
+class DatasetError(SphereFaceError):
     """The source folder or a prepared folder is missing, empty or malformed."""
 
     code = "dataset_error"
-    http_status = 400
 
 
 class DatasetMismatchError(DatasetError):

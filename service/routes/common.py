@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.errors import FacePathError, ImageTooLargeError
+from models.errors import FacePathError, ImageTooLargeError, SphereFaceError
 from models.image import decode_image, image_size
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
@@ -27,7 +27,6 @@ from service.settings import Settings
 
 class UnsupportedMediaTypeError(ServiceError):
     code = "unsupported_media_type"
-    http_status = 415
 
 
 def face_schema(face: DetectedFace) -> Face:
@@ -156,7 +155,8 @@ class FaceWork:
         with self.metrics.stage("embed"):
             return self.pipeline.embed_aligned(crops)
 
-    def error(self, exc: FacePathError) -> dict[str, Any]:
+    def error(self, exc: SphereFaceError) -> dict[str, Any]:
+        """The status and message of one photo that failed (counted in the metrics by its code)."""
         self.metrics.count_photo_error(exc.code)
         return {"status": exc.code, "message": exc.message}
 

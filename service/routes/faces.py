@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from service.errors import TooManyPhotosError
 from service.gallery.store import check_embedding
 from service.routes.common import (
@@ -76,7 +76,7 @@ def embed(
                     photo = PhotoFaces(sha, [], image[None])
             else:
                 photo = work.detect(upload, faces)
-        except FacePathError as exc:
+        except SphereFaceError as exc:  # the photo's own failure, overloaded included
             error = work.error(exc)
             item.status, item.message = error["status"], error["message"]
         items.append(item)

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from models.errors import FacePathError
+from models.errors import SphereFaceError
 from service.auth import require_admin, require_read
 from service.errors import (
     InvalidEmbeddingError,
@@ -335,7 +335,7 @@ def _enroll_photos(
         filenames[index] = upload.filename
         try:
             detected.append((index, subject_id, work.detect(upload, policy, region=keep_region)))
-        except FacePathError as exc:
+        except SphereFaceError as exc:  # the photo's own failure, overloaded included
             error = work.error(exc)
             results.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
     vectors = work.embed([photo.crops[:1] for _, _, photo in detected])

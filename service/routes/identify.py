@@ -20,7 +20,6 @@ ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 5
 
 class NoThresholdError(ServiceError):
     code = "no_threshold"
-    http_status = 422
 
 
 @router.post(
