@@ -249,6 +249,7 @@ def add_metrics_route(
         path,
         scrape,
         methods=["GET"],
+        operation_id="metrics",
         tags=["health"],
         summary="Prometheus metrics",
         description="Prometheus text exposition of request, stage and gallery metrics (no API key needed).",

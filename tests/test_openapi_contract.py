@@ -60,7 +60,7 @@ def test_the_document_describes_what_the_handlers_do(service):
     pair = body["properties"]["embedding1"]
     assert pair["minItems"] == pair["maxItems"] == 128  # the served model's size
     assert body["additionalProperties"] is False
-    photos = doc["components"]["schemas"]["Body_embed_v1_embed_post"]["properties"]["photos"]
+    photos = doc["components"]["schemas"]["Body_embed"]["properties"]["photos"]
     assert (photos["minItems"], photos["maxItems"]) == (1, 16)
     # a 405 names every method of the path
     r = httpx.put(f"{service.url}/v1/subjects", headers={"X-API-Key": KEY})

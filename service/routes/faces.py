@@ -29,14 +29,14 @@ from service.schemas import (
 )
 from service.schemas import PhotoFaces as PhotoFacesOut
 
-router = APIRouter(tags=["faces"])
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422)}
+router = APIRouter(tags=["faces"], responses=ERRORS)
 
 
 @router.post(
     "/embed",
+    operation_id="embed",
     response_model=EmbedResponse,
-    responses=ERRORS,
     summary="Every face of one or more photos, with its embedding",
 )
 def embed(
@@ -105,8 +105,8 @@ def embed(
 
 @router.post(
     "/verify",
+    operation_id="verify",
     response_model=VerifyResponse,
-    responses=ERRORS,
     summary="Are the faces in two photos (or two embeddings) the same person?",
     openapi_extra=openapi_body({"photo1": "first photo", "photo2": "second photo"}, VerifyEmbeddings),
 )

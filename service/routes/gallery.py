@@ -42,10 +42,10 @@ from service.schemas import (
     SubjectUpdate,
 )
 
-router = APIRouter(tags=["gallery"])
 #: Paging offsets above this are refused (422): Redis ranges are 64-bit, Python ints are not.
 MAX_OFFSET = 1_000_000_000
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 413, 415, 422, 503)}
+router = APIRouter(tags=["gallery"], responses=ERRORS)
 SubjectId = Annotated[str, Path(description="the subject's id", max_length=128)]
 EnrollPolicy = Annotated[
     Literal["reject", "largest", "central"],
@@ -82,9 +82,9 @@ def _face(face: FaceRecord) -> FaceOut:
 # -- subjects -----------------------------------------------------------------------------------
 @router.post(
     "/subjects",
+    operation_id="create_subject",
     status_code=status.HTTP_201_CREATED,
     response_model=SubjectOut,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Create a subject (a person of the gallery)",
 )
@@ -95,8 +95,8 @@ def create_subject(store: Store, body: SubjectCreate) -> SubjectOut:
 
 @router.get(
     "/subjects",
+    operation_id="list_subjects",
     response_model=SubjectPage,
-    responses=ERRORS,
     dependencies=[Depends(require_read)],
     summary="List subjects, a page at a time, in creation order",
 )
@@ -124,8 +124,8 @@ def list_subjects(
 
 @router.get(
     "/subjects/{subject_id}",
+    operation_id="get_subject",
     response_model=SubjectOut,
-    responses=ERRORS,
     dependencies=[Depends(require_read)],
     summary="One subject",
 )
@@ -135,8 +135,8 @@ def get_subject(store: Store, model_id: ModelId, subject_id: SubjectId) -> Subje
 
 @router.patch(
     "/subjects/{subject_id}",
+    operation_id="update_subject",
     response_model=SubjectOut,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Change a subject's name or metadata",
 )
@@ -146,8 +146,8 @@ def update_subject(store: Store, model_id: ModelId, subject_id: SubjectId, body:
 
 @router.delete(
     "/subjects/{subject_id}",
+    operation_id="delete_subject",
     response_model=SubjectDeleted,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Delete a subject and all its faces",
 )
@@ -158,8 +158,8 @@ def delete_subject(store: Store, subject_id: SubjectId) -> SubjectDeleted:
 # -- faces --------------------------------------------------------------------------------------
 @router.post(
     "/subjects/{subject_id}/faces",
+    operation_id="add_faces",
     response_model=EnrollResponse,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Enroll faces of a subject from photos (or embeddings)",
     openapi_extra=openapi_body(
@@ -191,8 +191,8 @@ async def add_faces(
 
 @router.get(
     "/subjects/{subject_id}/faces",
+    operation_id="list_faces",
     response_model=FacePage,
-    responses=ERRORS,
     dependencies=[Depends(require_read)],
     summary="The faces of a subject, a page at a time, oldest first",
 )
@@ -217,8 +217,8 @@ def list_faces(
 
 @router.delete(
     "/faces/{face_id}",
+    operation_id="delete_face",
     response_model=FaceDeleted,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Delete one face",
 )
@@ -229,8 +229,9 @@ def delete_face(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> F
 
 @router.get(
     "/faces/{face_id}/image",
+    operation_id="get_face_image",
     response_class=Response,
-    responses={**ERRORS, 200: {"content": {"image/jpeg": {}}, "description": "the region around the face"}},
+    responses={200: {"content": {"image/jpeg": {}}, "description": "the region around the face"}},
     dependencies=[Depends(require_read)],
     summary="The stored region around a face (JPEG)",
 )
@@ -249,8 +250,8 @@ def face_image(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> Re
 # -- bulk enrollment ----------------------------------------------------------------------------
 @router.post(
     "/enroll",
+    operation_id="enroll",
     response_model=EnrollResponse,
-    responses=ERRORS,
     dependencies=[Depends(require_admin)],
     summary="Bulk enrollment: many photos (or embeddings) for many subjects",
     openapi_extra=openapi_body(

@@ -9,13 +9,14 @@ from service.schemas import Health, Ready
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="The process is alive")
+@router.get("/healthz", operation_id="health", response_model=Health, summary="The process is alive")
 def healthz() -> Health:
     return Health(status="ok")
 
 
 @router.get(
     "/readyz",
+    operation_id="readiness",
     response_model=Ready,
     summary="The model is loaded and the gallery's Redis answers",
     responses={503: {"model": Ready}},

@@ -14,8 +14,8 @@ from service.gallery.store import check_embedding
 from service.routes.common import FaceWork, face_schema, form_files, get_face_work, openapi_body, read_body
 from service.schemas import Candidate, ErrorResponse, FaceEmbeddings, IdentifiedFace, IdentifyResponse
 
-router = APIRouter(tags=["identify"], dependencies=[Depends(require_read)])
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
+router = APIRouter(tags=["identify"], responses=ERRORS, dependencies=[Depends(require_read)])
 
 
 class NoThresholdError(ServiceError):
@@ -24,8 +24,8 @@ class NoThresholdError(ServiceError):
 
 @router.post(
     "/identify",
+    operation_id="identify",
     response_model=IdentifyResponse,
-    responses=ERRORS,
     summary="Who is this? Top-k gallery subjects for every face of a photo",
     openapi_extra=openapi_body({"photo": "a photo"}, FaceEmbeddings),
 )

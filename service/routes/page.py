@@ -54,7 +54,7 @@ DOCS_POLICY = (
 REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
 _INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
 
-router = APIRouter()
+router = APIRouter(tags=["auth"])
 
 
 class KeyInfo(BaseModel):
@@ -76,8 +76,8 @@ def page() -> FileResponse:
 
 @router.get(
     "/v1/key",
+    operation_id="get_key",
     response_model=KeyInfo,
-    tags=["auth"],
     summary="The API key of the request: its id and scope",
 )
 def key_info(principal: Annotated[Principal, Depends(require_read)]) -> KeyInfo:
