@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from service.gallery.index import LayeredIndex, VectorIndex  # noqa: E402
 from service.gallery.snapshot import SnapshotFolder  # noqa: E402
 from service.gallery.store import GalleryStore  # noqa: E402
 from service.redis_server import LocalRedis, find_redis_server  # noqa: E402
+from service.serve_process import free_port, serve_command  # noqa: E402
 
 KEY = "bench-gallery-memory-key"
 SEARCHES = 20
@@ -73,12 +73,6 @@ def load_gallery(store: GalleryStore, model_id: str, vectors: np.ndarray, codes:
         pipe.execute()
     store.revision_and_epoch()  # sets the gallery's epoch
     return time.perf_counter() - started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memory_of(pid: int) -> dict[str, int]:
@@ -115,7 +109,7 @@ def serve_and_measure(redis_url: str, mode: str, data_dir: Path, faces: int) -> 
     if mode == "off":
         env["SPHEREFACE_GALLERY_SNAPSHOTS"] = "off"
     log_path = data_dir / f"serve-{mode}.log"
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    command = serve_command(port, "--data-dir", str(data_dir))
     started = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT

@@ -52,10 +52,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.paths import SHARED_DATA, short_temp_dir  # noqa: E402
 from models.registry import resolve_model  # noqa: E402
 from service.redis_server import LocalRedis, find_redis_server  # noqa: E402
-from tests.conftest import SHARED_DATA, short_temp_dir  # noqa: E402
-from tests.service_process import HEADERS, Service  # noqa: E402
+from service.serve_process import HEADERS, Service  # noqa: E402
 
 PHOTOS = SHARED_DATA / "photos"
 

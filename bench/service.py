@@ -494,42 +494,20 @@ class ServedOverSocket:
 
     def __init__(self, model: Path, redis_url: str, data_dir: Path, threads: int, ready_s: float = 180.0):
         import http.client
-        import socket
-        import subprocess
 
-        with socket.socket() as probe:  # a free port
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        env = {
-            **os.environ,
-            "SPHEREFACE_AUTH": "off",
-            "SPHEREFACE_INTRA_OP_THREADS": str(threads),
-            "REDIS_URL": redis_url,
-        }
-        command = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), "--data-dir", str(data_dir), "--workers", "1"]
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = data_dir / "serve.log"
-        with self.log_path.open("wb") as log_file:  # its access log, kept out of the report
-            self.process = subprocess.Popen(
-                command, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT
-            )
-        self._connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        from service.serve_process import Service
+
+        self.service = Service(
+            model,
+            data_dir,
+            redis_url,
+            extra_env={"SPHEREFACE_AUTH": "off", "SPHEREFACE_INTRA_OP_THREADS": str(threads)},
+            options=("--host", "127.0.0.1", "--workers", "1"),
+            log=data_dir / "serve.log",  # its access log, kept out of the report
+            ready_s=ready_s,
+        )
+        self._connection = http.client.HTTPConnection("127.0.0.1", self.service.port, timeout=60)
         self._bodies: dict[int, tuple[bytes, str]] = {}
-        deadline = time.monotonic() + ready_s
-        while True:
-            if self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"sphereface serve exited with {self.process.returncode}:\n{tail}")
-            try:
-                if self._request("GET", "/readyz", None, {})[0] == 200:
-                    break
-            except OSError:
-                self._connection.close()
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"sphereface serve was not ready within {ready_s:.0f} s")
-            time.sleep(0.5)
 
     def _request(self, method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, bytes]:
         self._connection.request(method, path, body=body, headers=headers)
@@ -560,12 +538,7 @@ class ServedOverSocket:
 
     def close(self) -> None:
         self._connection.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except Exception:  # noqa: BLE001 - a server that will not stop is killed
-                self.process.kill()
+        self.service.stop()
 
 
 VERIFY_NAMES = {

@@ -354,7 +354,7 @@ def test_a_hyperspherical_network_exports_to_onnx_with_parity(operator, options,
 
 @pytest.mark.shared_data
 def test_a_sphereconv_network_trains_exports_and_is_served(tiny_prepared_two, photos_dir, tmp_path):
-    from tests.service_process import Service
+    from service.serve_process import Service
     from training.config import load_config
     from training.export import export_checkpoint
     from training.trainer import train

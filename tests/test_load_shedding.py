@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.service_process import Service
+from service.serve_process import Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 

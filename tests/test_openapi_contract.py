@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.serve_process import KEY, Service
 from tests.conftest import REPO_ROOT, short_temp_dir
-from tests.service_process import KEY, Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 

@@ -404,7 +404,7 @@ def test_an_opt_network_trains_exports_with_r_folded_in_and_is_served(
 ):
     import onnx
 
-    from tests.service_process import Service
+    from service.serve_process import Service
     from training.config import load_config
     from training.export import export_checkpoint
     from training.trainer import train

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from service.auth import create_key
+from service.serve_process import HEADERS, KEY, Service
 from tests.conftest import fail_or_skip, short_temp_dir
-from tests.service_process import HEADERS, KEY, Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from service.redis_server import LocalRedis
-from tests.service_process import Service
+from service.serve_process import Service
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
