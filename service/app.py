@@ -29,7 +29,7 @@ from service.errors import (
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
-from service.metrics import MetricsMiddleware, add_metrics_route, create_metrics
+from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
 from service.routes import faces, gallery, health, identify
 from service.routes.common import reject_unknown_query
@@ -122,55 +122,64 @@ def make_search(settings: Settings, store: GalleryStore, model_id: str, dim: int
     return LiveIndex(store, model_id, dim, snapshots=settings.gallery_snapshot_dir)
 
 
-def create_app(settings: Settings | None = None, pipeline: FacePipeline | None = None) -> FastAPI:
-    """Build the app; the model and Redis connect in the lifespan (``pipeline`` may be given)."""
-    settings = settings or Settings()
-    metrics = create_metrics()
+def load_pipeline(settings: Settings) -> FacePipeline:
+    """The face pipeline of ``settings.model_dir`` (detector, aligner, embedder)."""
+    return FacePipeline(
+        settings.model_dir,
+        settings.providers,
+        min_face_size=settings.min_face_size,
+        intra_op_threads=settings.intra_op_threads,
+        max_image_side=settings.detect_max_side,
+        largest_face_search=settings.largest_face_search,
+    )
+
+
+def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis:
+    """Connect the gallery's Redis and the identification search into ``app.state``; returns the
+    client to close at shutdown. A Redis that does not answer yet is logged, not fatal:
+    ``/readyz`` says so until it answers."""
+    if not settings.redis_url:
+        raise RedisSetupError(
+            "no Redis for the gallery: set REDIS_URL (e.g. redis://localhost:6379/0), "
+            "or run `sphereface serve`, which starts a local redis-server"
+        )
+    manifest = app.state.pipeline.manifest
+    client = redis_client(settings.redis_url, settings.redis_timeout)
+    app.state.redis = client
+    app.state.redis_probe = redis_client(settings.redis_url, min(0.5, settings.redis_timeout / 2))
+    app.state.store = store = GalleryStore(
+        client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+    )
+    app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
+    try:
+        store.ensure_schema()  # a gallery written by an older version (readyz retries it)
+        if isinstance(app.state.search, LiveIndex):
+            app.state.search.refresh()  # load the gallery before the first request
+    except RedisUnavailableError as exc:
+        log.warning("gallery not loaded yet (%s); /readyz says so until Redis answers", exc.message)
+    return client
+
+
+def make_lifespan(settings: Settings, pipeline: FacePipeline | None):
+    """The app's lifespan: load the model (unless ``pipeline`` is given), connect the gallery,
+    and close the Redis clients at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.pipeline = pipeline or FacePipeline(
-            settings.model_dir,
-            settings.providers,
-            min_face_size=settings.min_face_size,
-            intra_op_threads=settings.intra_op_threads,
-            max_image_side=settings.detect_max_side,
-            largest_face_search=settings.largest_face_search,
-        )
+        app.state.pipeline = pipeline or load_pipeline(settings)
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)
-        if not settings.redis_url:
-            raise RedisSetupError(
-                "no Redis for the gallery: set REDIS_URL (e.g. redis://localhost:6379/0), "
-                "or run `sphereface serve`, which starts a local redis-server"
-            )
-        client = redis_client(settings.redis_url, settings.redis_timeout)
-        app.state.redis = client
-        app.state.redis_probe = redis_client(settings.redis_url, min(0.5, settings.redis_timeout / 2))
-        app.state.store = store = GalleryStore(
-            client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
-        )
-        app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
-        try:
-            store.ensure_schema()  # a gallery written by an older version (readyz retries it)
-            if isinstance(app.state.search, LiveIndex):
-                app.state.search.refresh()  # load the gallery before the first request
-        except RedisUnavailableError as exc:
-            log.warning("gallery not loaded yet (%s); /readyz says so until Redis answers", exc.message)
+        client = connect_gallery(app, settings)
         yield
         client.close()
         app.state.redis_probe.close()
 
-    app = FastAPI(
-        title="SphereFace face service",
-        version="0.2.0",
-        description=DESCRIPTION,
-        lifespan=lifespan,
-        docs_url=None,  # add_page serves /docs and /redoc from local files, not a CDN
-        redoc_url=None,
-    )
-    app.state.settings = settings
-    app.state.metrics = metrics
+    return lifespan
+
+
+def add_routes(app: FastAPI, metrics: Metrics) -> None:
+    """The probes, the ``/v1`` API (every route refuses unknown query parameters), the page and
+    its docs, the OpenAPI document and ``/metrics``."""
     app.include_router(health.router)
     strict = Depends(reject_unknown_query)
     app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read), strict])
@@ -184,6 +193,11 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
         return stats.subjects, stats.faces, stats.revision
 
     add_metrics_route(app, metrics, gallery_stats)
+
+
+def add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
+    """The middleware, outermost last: metrics, admission (load shedding), the key check, the
+    body limit; and the worker's pixel budget for decoding."""
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(AuthGate)  # runs before BodyLimit and the routes: keys before bodies
     face_limit = settings.max_face_requests or default_face_limit()
@@ -196,6 +210,12 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     app.state.pixel_budget = PixelBudget(settings.decode_pixel_budget or 2 * settings.max_image_pixels)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error is answered as JSON ``{"code", "message"}``: domain errors with the status of
+    their code (:func:`service.errors.http_status_of`), Redis failures as 503, Starlette's and
+    FastAPI's own errors with codes of their own."""
+
     @app.exception_handler(SphereFaceError)
     async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
         return error_response(exc)
@@ -207,17 +227,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if isinstance(exc.__cause__, SphereFaceError):  # FastAPI's 400 for a body it could not read
-            return error_response(exc.__cause__)
-        if exc.status_code == 400:  # a body that is not JSON, or a broken form: the documented 422
-            return error_response(InvalidRequestError(f"the request body could not be read: {exc.detail}"))
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
-            headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))
-        code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-        return JSONResponse(
-            status_code=exc.status_code, content={"code": code, "message": str(exc.detail)}, headers=headers
-        )
+        return http_error_response(app, request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -226,4 +236,38 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
         )
         return JSONResponse(status_code=422, content={"code": "invalid_request", "message": problems})
 
+
+def http_error_response(app: FastAPI, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The answer to Starlette's HTTP errors (404, 405, ...): a body FastAPI could not read is the
+    documented 422 (or the domain error that stopped it), a 405 names every method of the path."""
+    if isinstance(exc.__cause__, SphereFaceError):  # FastAPI's 400 for a body it could not read
+        return error_response(exc.__cause__)
+    if exc.status_code == 400:  # a body that is not JSON, or a broken form: the documented 422
+        return error_response(InvalidRequestError(f"the request body could not be read: {exc.detail}"))
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
+        headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))
+    code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+    return JSONResponse(
+        status_code=exc.status_code, content={"code": code, "message": str(exc.detail)}, headers=headers
+    )
+
+
+def create_app(settings: Settings | None = None, pipeline: FacePipeline | None = None) -> FastAPI:
+    """Build the app; the model and Redis connect in the lifespan (``pipeline`` may be given)."""
+    settings = settings or Settings()
+    metrics = create_metrics()
+    app = FastAPI(
+        title="SphereFace face service",
+        version="0.2.0",
+        description=DESCRIPTION,
+        lifespan=make_lifespan(settings, pipeline),
+        docs_url=None,  # add_page serves /docs and /redoc from local files, not a CDN
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    add_routes(app, metrics)
+    add_middleware(app, settings, metrics)
+    add_error_handlers(app)
     return app
