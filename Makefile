@@ -13,11 +13,11 @@ REF_MODEL := $(CACHE)/models/mobilefacenet_casia
 CELEBA := $(CACHE)/data/celeba_faces
 CELEBA_SMALL := $(CACHE)/data/celeba_small
 LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
-# The SphereFace+ figure and MHE diagnostics of docs/training.md §6: the A-Softmax m = 4 run, its
+# The SphereFace+ figure and MHE diagnostics of docs/results/loss-comparison.md: the A-Softmax m = 4 run, its
 # three fine-tunings (no MHE, MHE 10, MHE 100) and SphereFace+ m = 2.
 SFPLUS_RUNS := $(addprefix runs/celeba_more/,sf4_asoftmax_m4 sf4_asoftmax_m4_finetune sf4_sphereface_plus_finetune \
 	sf4_sphereface_plus_mhe100_finetune sf4_sphereface_plus_m2_mhe10)
-# docs/hyperspherical.md: the CIFAR-10 runs (seed 0 first, then the second seeds) and the face run.
+# docs/results/hyperspherical-claims.md: the CIFAR-10 runs (seed 0 first, then the second seeds) and the face run.
 HS_CIFAR := training/configs/hyperspherical/cifar
 HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR)/*.toml))) \
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
@@ -98,7 +98,7 @@ default-model-results: install
 	$(BIN)/sphereface calibrate --model $(DLIB_MODEL) --lfw $(SHARED)/data/lfw \
 		--json $(DLIB_RESULTS)/calibration.json --plot $(DLIB_RESULTS)/calibration.png
 
-# The default model in int8 (docs/face_path.md "The int8 embedder"): quantised on celeba_faces
+# The default model in int8 (docs/results/face-path.md "The int8 embedder"): quantised on celeba_faces
 # photos, its LFW accuracy, thresholds from every LFW pair, and its speed against the float model.
 INT8_MODEL := $(CACHE)/models/dlib_resnet_v1_int8
 int8-model: install
@@ -120,17 +120,17 @@ test: install install-browser
 	$(BIN)/ruff check models training service tests bench
 	$(BIN)/python -m pytest -q
 
-# Screenshots of the page in docs/screenshots, taken by its browser tests (README and docs/page.md).
+# Screenshots of the page in docs/screenshots, taken by its browser tests (README and docs/guides/page.md).
 screenshots: install install-browser
 	SPHEREFACE_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_page_browser.py
 
 # The CPU container image, built here with buildah and checked inside: /readyz and a /v1/verify of
 # two real photos against a local Redis, no torch, non-root (root, network, about 2 minutes; not
-# part of make test; docs/deploy.md).
+# part of make test; docs/guides/deploy.md).
 image-test: install
 	SHARED=$(SHARED) bash docker/image_test.sh
 
-# The fault and load suite of the service (docs/reliability.md; about 4 minutes): load levels,
+# The fault and load suite of the service (docs/results/reliability-suite.md; about 4 minutes): load levels,
 # SIGKILL of Redis and of the API during enrollment, a paused Redis, two workers, hostile images.
 reliability: install
 	$(BIN)/python bench/reliability.py --markdown docs/results/reliability.md --json docs/results/reliability.json
@@ -161,7 +161,7 @@ for config in $(1); do \
 done
 endef
 
-# The loss comparison of docs/training.md §6: the SphereFace-4 runs of 2,000 steps on celeba_faces +
+# The loss comparison of docs/results/loss-comparison.md: the SphereFace-4 runs of 2,000 steps on celeba_faces +
 # celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), then the
 # fine-tuning runs (*_finetune.toml: 1,000 steps from a trained run), each exported and evaluated
 # on MegaFace local-v1 (about 3 minutes each), then the table.
@@ -182,7 +182,7 @@ loss-table: prepare-celeba
 		sf4_sphereface_plus_finetune sf4_sphereface_plus_caffe_finetune) \
 		--config training/configs/celeba_more/sf4_sphereface_plus_caffe_finetune.toml --json docs/results/mhe_diagnostics_caffe.json
 
-# docs/opt.md: the OPT and CoMHE CIFAR-10 runs (22 runs of CNN-6, 3 to 14 minutes each on one core)
+# docs/results/opt-claims.md: the OPT and CoMHE CIFAR-10 runs (22 runs of CNN-6, 3 to 14 minutes each on one core)
 # and two SphereFace-4 face runs on the CelebA sets (OPT-CP and RP-CoMHE, 25 and 35 minutes), two at a
 # time, longest first; the face runs exported and evaluated on MegaFace local-v1; then the tables and
 # curves. About 90 minutes on two cores. Finished runs are kept.
@@ -196,12 +196,12 @@ opt-table: prepare-celeba
 	$(call export_and_megaface,$(OPT_FACES),runs/opt)
 	$(BIN)/python -m training.opt_table --runs runs/opt/cifar --faces runs/opt --out docs/results
 
-# What OPT and compressive MHE cost per CNN-6 training step against plain training (docs/opt.md §3,
+# What OPT and compressive MHE cost per CNN-6 training step against plain training (docs/results/opt-claims.md,
 # CoMHE Table E.5): 13 variants interleaved, median of 5 rounds with the range (about 3 minutes).
 bench-opt: install
 	$(BIN)/python bench/opt.py --json docs/results/bench_opt.json
 
-# docs/hyperspherical.md: 34 CIFAR-10 runs of SphereNet's claims (0.5 to 8 minutes each on one core,
+# docs/results/hyperspherical-claims.md: 34 CIFAR-10 runs of SphereNet's claims (0.5 to 8 minutes each on one core,
 # two at a time) and three SphereFace-4 runs on the CelebA sets (SphereConv at lr 0.1 and 0.025, and
 # its convolutional control; about 35 minutes each), exported and evaluated on LFW and MegaFace
 # local-v1, then the tables and curves. About 1 h 45 min on two cores (measured 2026-11-25).
@@ -252,7 +252,7 @@ megaface-local: models
 		--names "default: dlib ResNet (CC0),reference MobileFaceNet (CASIA-WebFace),sphereface_celeba v4 (two MobileFaceNets; celeba_faces + celeba_small)" \
 		--out $(MEGAFACE)/local_v1.md
 
-# 1,000,000 distractors on this machine: time and peak memory (docs/megaface.md).
+# 1,000,000 distractors on this machine: time and peak memory (docs/results/megaface.md).
 bench-megaface-1m: install
 	$(BIN)/python bench/megaface_1m.py --model models/sphereface_celeba --json docs/results/megaface_1m.json
 
@@ -271,7 +271,7 @@ bench: install models torchvision-env
 	$(BIN)/python bench/face_path.py --model $(REF_MODEL)
 
 # The service: /v1/verify against facenet-pytorch + PyTorch eager, search at 10k/100k/1M
-# vectors (numpy and Redis Query Engine), bulk enrollment (about 15 minutes; docs/service.md).
+# vectors (numpy and Redis Query Engine), bulk enrollment (about 15 minutes; docs/results/service.md).
 bench-service: install models torchvision-env
 	$(BIN)/python bench/service.py --json docs/results/bench_service.json
 	$(BIN)/python bench/models.py --models default,sphereface_celeba,$(REF_MODEL) --json docs/results/bench_models.json
@@ -289,12 +289,12 @@ bench-largest-face: install
 	$(BIN)/python bench/largest_face.py --lfw $(SHARED)/data/lfw --json docs/results/bench_largest_face.json
 
 # Exact search at 1M and 10M faces: float32 against the int8 scan with exact re-rank, 5 interleaved
-# rounds (about 3 minutes, 16 GB of memory at 10M; docs/service.md "Search at 10M faces").
+# rounds (about 3 minutes, 16 GB of memory at 10M; docs/results/service.md "Search at 10M faces").
 bench-gallery-scan: install
 	$(BIN)/python bench/gallery_scan.py --json docs/results/bench_gallery_scan.json
 
 # Memory of sphereface serve --workers 2 at 1M faces, each worker its own copy against one shared
-# snapshot, and search over the snapshot (about 6 minutes; docs/service.md "Memory with two workers").
+# snapshot, and search over the snapshot (about 6 minutes; docs/results/service.md "Memory with two workers").
 bench-gallery-memory: install
 	$(BIN)/python bench/gallery_memory.py --json docs/results/bench_gallery_memory.json
 
