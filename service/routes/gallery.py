@@ -231,7 +231,12 @@ def delete_face(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> F
     "/faces/{face_id}/image",
     operation_id="get_face_image",
     response_class=Response,
-    responses={200: {"content": {"image/jpeg": {}}, "description": "the region around the face"}},
+    responses={
+        200: {
+            "content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "the region around the face",
+        }
+    },
     dependencies=[Depends(require_read)],
     summary="The stored region around a face (JPEG)",
 )
