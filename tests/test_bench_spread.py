@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.face_path import _spread, pass_ratio_spread
+from bench.face_path_report import _spread
+from bench.timing import pass_ratio_spread
 
 
 def test_every_pass_gives_one_ratio_and_the_spread_is_reported():

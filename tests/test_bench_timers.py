@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-pytest.importorskip("torch")  # bench.service and bench.face_path import it
+pytest.importorskip("torch")  # bench.service and bench.detector_profile import it
 
 
 def test_the_stage_timer_counts_calls_made_in_two_threads_at_once():
@@ -46,7 +46,7 @@ def test_the_stage_timer_counts_calls_made_in_two_threads_at_once():
 
 @pytest.mark.shared_data
 def test_the_detector_profile_counts_the_networks_run_in_the_detectors_threads(photos_dir):
-    from bench.face_path import profile_ours
+    from bench.detector_profile import profile_ours
     from models.image import read_image
 
     photos = sorted(p for p in photos_dir.rglob("*.jpg"))[:4]

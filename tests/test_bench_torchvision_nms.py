@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bench import torchvision_standin as standin
-from bench.face_path import write_standin_package
+from bench.facenet_env import write_standin_package
 from bench.torchvision_nms import load_calls, real_nms_per_item, record_per_item, save_calls
 
 
