@@ -1,6 +1,7 @@
 """Everything about a face model that training, evaluation and serving share.
 
-The single face path (DESIGN.md "One face, one path")::
+The single face path, the same for every component (a face cut differently for training,
+evaluation and serving costs accuracy)::
 
     bytes -> decode_image -> MTCNNDetector.detect -> align_faces -> Embedder.embed -> cosine
 

@@ -1,6 +1,7 @@
 """Face alignment: 5-point templates, the least-squares similarity transform, and the warp.
 
-This is the one function every component uses to crop a face (DESIGN.md, ANCHORS.md C2).
+This is the one function every component uses to crop a face: training, evaluation and serving
+align identically, since a crop that differs between them costs accuracy.
 Coordinates are 0-based pixel centres: pixel (x, y) of an image covers [x-0.5, x+0.5].
 Landmark order everywhere: left eye, right eye, nose tip, left mouth corner, right mouth
 corner ("left" as seen in the image), as ``(5, 2)`` arrays of (x, y).
@@ -50,8 +51,9 @@ ARCFACE_TEMPLATE_112x112 = AlignmentTemplate(
 
 #: MTCNN's 5 points onto the 150x150 chips of dlib's face-recognition ResNet (dlib cuts them with its
 #: own 5-point model, padding 0.25). Fitted on 6,002 faces of celeba_faces by
-#: ``python -m training.dlib_template`` (docs/results/dlib_template.json; docs/models.md explains the
-#: fit and why the two eye points sit close together), not set by hand.
+#: ``python -m training.dlib_template`` (docs/results/dlib_template.json;
+#: docs/reference/model-folder.md explains the fit and why the two eye points sit close together),
+#: not set by hand.
 DLIB_TEMPLATE_150x150 = AlignmentTemplate(
     name="dlib_150x150",
     height=150,

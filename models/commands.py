@@ -81,7 +81,9 @@ def _run_import_dlib(args: argparse.Namespace) -> int:
             diff = synthetic_parity(out, args.source)
             print(f"ONNX Runtime vs dlib on test chips: max abs diff {diff:.2g}")
     if not manifest.thresholds:
-        print("no thresholds yet: run `sphereface calibrate` on this model (see docs/models.md)")
+        print(
+            "no thresholds yet: run `sphereface calibrate` on this model (see docs/reference/model-folder.md)"
+        )
     return 0
 
 

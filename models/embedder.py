@@ -1,4 +1,4 @@
-"""Face embeddings on ONNX Runtime: batched, flip-fused, L2-normalised (SPEC.md §1.10)."""
+"""Face embeddings on ONNX Runtime: batched, flip-fused, L2-normalised (thesis §2.3.6 "Testing")."""
 
 from __future__ import annotations
 

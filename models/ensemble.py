@@ -2,7 +2,7 @@
 
 Two networks trained apart make different mistakes, and the cosine of their features side by side
 is the mean of their cosines: on LFW two of this project's MobileFaceNets reach 90.2% against
-88.9% and 88.3% alone (docs/training.md §7). This module makes that one model the service can
+88.9% and 88.3% alone (docs/results/sphereface-celeba.md). This module makes that one model the service can
 load, so it is served, calibrated and evaluated like any other:
 
     sphereface combine models/sphereface_celeba runs/celeba_more/mobilefacenet_m4_colour/model \\

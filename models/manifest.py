@@ -1,6 +1,7 @@
 """The model folder: ``model.onnx`` plus ``manifest.json`` describing how to feed it.
 
-A manifest states everything a consumer must reproduce (ANCHORS.md C2, C5): input size and
+A manifest states everything a consumer must reproduce to feed the network as it was trained
+and exported: input size and
 alignment template, colour order, pixel normalisation, embedding size, flip fusion, the
 calibrated thresholds, the training data and a version. Every gallery vector is tagged with
 ``model_id`` so vectors of different models are never compared.

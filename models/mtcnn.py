@@ -28,7 +28,7 @@ FACE_POLICIES = ("largest", "central", "all")
 
 #: Face-probability thresholds of P-Net, R-Net, O-Net. SphereFace's MATLAB code used 0.6/0.7/0.9;
 #: O-Net's is raised to 0.95 because 0.9 passes a telephone (0.943) in a test photo, while on
-#: 1,500 random LFW photos the share with a face found is 100% at both (docs/face_path.md).
+#: 1,500 random LFW photos the share with a face found is 100% at both (docs/reference/face-path.md).
 DEFAULT_THRESHOLDS = (0.6, 0.7, 0.95)
 #: Each pyramid level is resized from an image at least this many times its size on each side
 #: (MTCNNDetector._pyramid_plan): close to resizing the full photo, at a fraction of the pixels read.
@@ -38,20 +38,20 @@ PYRAMID_OVERSAMPLING = 3.0
 PYRAMID_CASCADE_MIN_PIXELS = 1_000_000
 #: Photos of at least this many pixels have their pyramid levels made and scanned by P-Net side by
 #: side in threads, each level on a one-thread P-Net (MTCNNDetector._pnet_levels); on smaller ones
-#: the thread hand-offs cost about what they save (docs/face_path.md).
+#: the thread hand-offs cost about what they save (docs/results/face-path.md).
 PYRAMID_PARALLEL_MIN_PIXELS = 250_000
 #: :meth:`MTCNNDetector.detect_largest` stops once its largest face is at least this many times,
 #: on a side, the window that the next finer pyramid level would scan (P-Net's 12 pixels at that
 #: level's scale): the faces left to find start from smaller windows. At 2.5 the face and its
 #: landmarks were exactly a full scan's on every phone photo and on 7,697 of the 7,699 LFW photos
 #: of the pairs (the other two within 2.2 px); at 1.5 (two levels fewer) 29% of LFW photos got
-#: landmarks from another window (docs/face_path.md, "The largest face, coarse to fine").
+#: landmarks from another window (docs/results/face-path.md, "The largest face, coarse to fine").
 LARGEST_FACE_MARGIN = 2.5
 #: R-Net and O-Net run on chunks of this many crops in a thread of their own while the next
 #: chunk is cut (MTCNNDetector._cut_and_run), when there are at least CUT_MIN_BOXES boxes: R-Net
 #: on phone photos took 7.2 ms per photo with chunks of 32, 7.3 with 16 and 7.9 with 64, against
 #: 10.0 in one batch; on LFW's photos (41 boxes at the median) the hand-offs cost more than they
-#: save (docs/face_path.md).
+#: save (docs/results/face-path.md).
 CUT_CHUNK = 32
 CUT_MIN_BOXES = 96
 
@@ -289,7 +289,7 @@ class MTCNNDetector:
             a large photo side by side, and run R-Net and O-Net on crops while more are cut, each
             network on one thread (:meth:`_pnet_levels`, :meth:`_cut_and_run`); False: one stage at
             a time, each on all ``intra_op_threads``. The same faces either way (tested); side by
-            side is 1.2 to 1.3 times as fast on one phone photo (docs/face_path.md).
+            side is 1.2 to 1.3 times as fast on one phone photo (docs/results/face-path.md).
     """
 
     def __init__(
@@ -517,7 +517,7 @@ class MTCNNDetector:
         side by side, one level per thread, each by a P-Net on one thread: the largest level on one
         core while the others run on the next one uses two cores better than every level split
         over both (P-Net alone: 20.9 -> 18.4 ms per phone photo; with the resizing, 46.7 -> 41.8 ms
-        per detection, docs/face_path.md). The windows are the serial scan's (tested).
+        per detection, docs/results/face-path.md). The windows are the serial scan's (tested).
         """
         levels = range(1, len(images.plan) + 1)
         width, height = images.photo.size

@@ -66,7 +66,7 @@ def pad_first_block_for_nchwc(net, block: int = NCHWC_BLOCK):
     keep 0, and its zero weights in ``conv2`` add exactly 0. What changes is that ONNX Runtime can
     keep the whole network in its NCHWc layout instead of running ``conv1`` and ``conv2`` as
     im2col + GEMM with reorders between: about 20% less CPU time for P-Net on a phone photo's
-    first pyramid level (docs/face_path.md).
+    first pyramid level (docs/results/face-path.md).
     """
     import copy
 

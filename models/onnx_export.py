@@ -78,7 +78,7 @@ class _BatchNormPReLU(torch.nn.Module):
     ReorderInput each, for the per-channel Mul and the Clip); ``(1 - a) * relu(x) + a * x`` stayed
     blocked but left its Relu unfused (the convolution's output had two readers), a pass of its
     own that took 13% of P-Net's time. This form is two passes instead of three: P-Net 8-10% faster
-    again on phone photos (docs/face_path.md).
+    again on phone photos (docs/results/face-path.md).
     """
 
     def __init__(self, prelu: torch.nn.PReLU) -> None:

@@ -1,7 +1,7 @@
 """The whole face path in one object: photo -> faces -> aligned crops -> embeddings.
 
 Dataset preparation, evaluation and the service call this (or its parts) so every face is cut
-the same way (DESIGN.md "One face, one path").
+the same way (a face cut differently for training, evaluation and serving costs accuracy).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def quantize_model(model_dir: Path, out_dir: Path, crops: np.ndarray) -> Path:
         f"- **Training data and licence**: those of {manifest.model_id} (FLOAT_MODEL_CARD.md): "
         f"{manifest.licence}.\n"
         "- **Measured**: its LFW accuracy and calibrated thresholds are written beside this card by "
-        "`make int8-model` (lfw_file.json, calibration.json); docs/face_path.md compares them with the "
-        "float model's.\n"
+        "`make int8-model` (lfw_file.json, calibration.json); docs/results/face-path.md compares them "
+        "with the float model's.\n"
     )
     return out_dir

@@ -73,7 +73,7 @@ def create_session(
     options.intra_op_num_threads = intra_op_threads
     # Idle intra-op threads spin-wait for the next operator by default. Between the many short
     # runs of the detector and the Python work around them, that spinning takes a core from the
-    # request's own thread: measured 274 -> 200 ms per /v1/verify on 2 cores (docs/service.md).
+    # request's own thread: measured 274 -> 200 ms per /v1/verify on 2 cores (docs/results/service.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session = ort.InferenceSession(

@@ -159,7 +159,7 @@ def test_bad_comhe_options_get_clear_errors():
 
 
 # ------------------------------------------------------------------------------------------------
-# Theory: Lemma 3 and Theorem 3 (SPEC §5.2), by Monte Carlo
+# Theory: Lemma 3 and Theorem 3 (CoMHE, thesis Ch. 6), by Monte Carlo
 # ------------------------------------------------------------------------------------------------
 
 

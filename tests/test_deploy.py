@@ -1,7 +1,7 @@
 """The deployment files: every kustomize overlay renders and validates against the Kubernetes API's
 schemas (kubernetes-validate, offline, strict), the compose files validate against the Compose
 schema (from the docker-compose wheel that `make install` fetches), they keep the promises of
-docs/deploy.md (non-root, read-only root file system, probes, Redis reached only by the API,
+docs/guides/deploy.md (non-root, read-only root file system, probes, Redis reached only by the API,
 AOF, ports on 127.0.0.1), and the serving image's dependencies hold no torch.
 
 Building and running the image needs root, network and minutes: `make image-test`."""

@@ -147,7 +147,7 @@ def test_non_target_logits_are_unchanged_for_any_lambda(m: int, lam: float) -> N
         plain = features @ F.normalize(head.weight, dim=1).t()
     non_target = torch.ones_like(plain, dtype=torch.bool).scatter(1, labels.view(-1, 1), False)
     assert torch.allclose(margin[non_target], plain[non_target], atol=1e-6)
-    # the target logit is the annealed psi logit of SPEC §1.4
+    # the target logit is the annealed psi logit of thesis App. A.7
     norm = features.norm(dim=1)
     cos_y = plain.gather(1, labels.view(-1, 1)).squeeze(1) / norm
     expected = norm * (lam * cos_y + psi(cos_y, m)) / (1.0 + lam)

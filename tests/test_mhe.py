@@ -202,7 +202,7 @@ def _layer_weights(net: torch.nn.Sequential) -> list[torch.Tensor]:
 def test_hidden_mhe_is_weight_times_sum_of_per_layer_energies(half_space: bool) -> None:
     net = _tiny_net()
     regulariser = HiddenMHE(half_space=half_space)
-    assert regulariser.weight == (1.0 if half_space else 10.0)  # SPEC §3.9 defaults
+    assert regulariser.weight == (1.0 if half_space else 10.0)  # thesis App. D.1 defaults
     value = regulariser(net)
     expected = regulariser.weight * sum(
         mhe_energy(w, 2, "euclidean", half_space) for w in _layer_weights(net)

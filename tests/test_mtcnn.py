@@ -103,7 +103,7 @@ def test_exif_rotated_photo_gives_the_same_face(detector, photos_dir):
 def test_landmarks_agree_with_the_lfw_landmark_file(detector, lfw_dir):
     """Our landmarks against landmarks.txt on 100 LFW photos: the mean error and the systematic
     shift. Measured on this sample: mean error 1.92 px, mean offset ours minus file
-    (+0.84, +0.86) px (the file's integer landmarks explain about +0.5 px; docs/face_path.md),
+    (+0.84, +0.86) px (the file's integer landmarks explain about +0.5 px; docs/results/face-path.md),
     per-image offsets spread 0.75 px (standard error 0.08 px). The tolerances (0.2 px) are far
     above numerical noise and well below a 1 px regression of the landmark placement."""
     rows = (lfw_dir / "landmarks.txt").read_text().splitlines()[::130][:100]

@@ -2,7 +2,7 @@
 
 A decoupled operator (thesis Eq. 4.3) replaces the inner product ``<w, x> = ||w|| ||x|| cos(theta)``
 of a convolution or linear layer by ``f(w, x) = h(||x||) * g(theta)``, with ``theta`` the angle
-between the kernel ``w`` and the local patch ``x`` (SPEC.md §4.1, §5.1):
+between the kernel ``w`` and the local patch ``x`` (SphereNet Eq. 1-4; thesis Eq. 4.3-4.10):
 
 * angular activations ``g`` (:data:`ANGULAR`, :func:`angular_activation`):
   ``linear`` ``1 - 2 theta / pi`` (Eq. 3.2 / 4.11), ``cosine`` ``cos(theta)`` (Eq. 3.3),

@@ -1,4 +1,4 @@
-"""Orthogonal over-parameterised training: OPT and stochastic OPT (S-OPT) layers (SPEC.md §5.3).
+"""Orthogonal over-parameterised training: OPT and stochastic OPT (S-OPT) layers (OPT, CVPR 2021).
 
 OPT (Liu et al., CVPR 2021; thesis Ch. 7) learns every neuron of a layer as ``w_i = R v_i``: the
 ``v_i`` are drawn at random (zero-mean Gaussian) and frozen, and ``R`` is a learned ``d x d``

@@ -1,4 +1,4 @@
-"""The plain CNN-N of SphereNet's CIFAR experiments (SPEC.md §4.4, Table B.1), width-scalable.
+"""The plain CNN-N of SphereNet's CIFAR experiments (SphereNet §4.1, thesis Table B.1), width-scalable.
 
 Layout for a ``(N, 3, 32, 32)`` input, ``n`` convolutions per stage (CNN-3/9/18/45/60/69 have
 n = 1/3/6/15/20/23; the name counts the convolutions), widths ``(64, 96, 128)`` in the paper::
@@ -11,7 +11,7 @@ n = 1/3/6/15/20/23; the name counts the convolutions), widths ``(64, 96, 128)`` 
 BatchNorm and ReLU can be switched off (SphereNet Table 3 trains without ReLU; Fig. 3(d) and the
 SphereNorm experiment vary the normalisation). The convolutions are ordinary ``nn.Conv2d`` with a
 bias; :func:`models.nets.hyperspherical.convert_to_hyperspherical` turns them into SphereConv or a
-decoupled operator. The features have no activation, as SphereFace's FC1 (SPEC §1.6).
+decoupled operator. The features have no activation, as SphereFace's FC1 (thesis Table 2.7).
 """
 
 from __future__ import annotations
