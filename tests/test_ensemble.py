@@ -99,8 +99,8 @@ def test_models_that_take_different_crops_are_refused(default_model_dir: Path, t
 
 
 def test_combine_command_writes_a_model_the_registry_serves(tmp_path: Path, capsys) -> None:
-    from models.registry import resolve_model
     from models.cli import main
+    from models.registry import resolve_model
 
     out = tmp_path / "pair"
     assert (
