@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from training.reports import write_json  # noqa: E402
+from training.evaluation.report import write_json  # noqa: E402
 
 
 def dlib_descriptors(lfw: Path, names: list[str], progress: bool = True) -> tuple[np.ndarray, list[str]]:
@@ -58,7 +58,7 @@ def dlib_descriptors(lfw: Path, names: list[str], progress: bool = True) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.lfw import lfw_10fold_accuracy, pair_features, read_pairs
+    from training.evaluation.lfw import lfw_10fold_accuracy, pair_features, read_pairs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, required=True, help="LFW folder (images/, pairs.txt)")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from training.reports import write_json  # noqa: E402
+from training.evaluation.report import write_json  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "conv": ("conv", {}),

@@ -144,7 +144,7 @@ class LargestFaceDetector:
 def lfw_runs(lfw: Path, model: str) -> dict[str, Any]:
     """The official protocol with the largest face of each photo, found each way."""
     from models.registry import resolve_model
-    from training.lfw import run_lfw_evaluation
+    from training.evaluation.lfw import run_lfw_evaluation
 
     out: dict[str, Any] = {"model": model}
     points = {}

@@ -6,7 +6,7 @@ output:
 
 1. the 10,318 real distractors of the local protocol (embedded photos);
 2. ``--augmented`` embedded augmented copies of them (``--augment-to``; see aug-v1 in
-   training/megaface.py): real forward passes, timed, which gives the embedding rate;
+   training/evaluation/megaface.py): real forward passes, timed, which gives the embedding rate;
 3. the rest as *feature-space* variants: a random vector of parts 1-2 plus Gaussian noise, scaled
    so that its cosine to that vector is about ``--variant-cos``, L2-normalised. They exercise the
    search and its memory exactly like embeddings (same size, same distribution of norms), but they
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--json", dest="json_out", default="docs/results/megaface_1m.json")
     args = ap.parse_args()
 
-    from training.megaface import ModelKey, default_cache_dir, local_protocol
+    from training.evaluation.megaface import ModelKey, default_cache_dir, local_protocol
 
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)

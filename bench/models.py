@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from training.reports import write_json  # noqa: E402
+from training.evaluation.report import write_json  # noqa: E402
 
 
 def photo_pairs(people: Path) -> list[tuple[Path, Path, bool]]:

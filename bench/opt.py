@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from training.reports import write_json  # noqa: E402
+from training.evaluation.report import write_json  # noqa: E402
 
 CONFIGS = REPO / "training" / "configs" / "opt" / "cifar"
 #: (label, config, overrides): the baseline first.

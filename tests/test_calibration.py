@@ -1,4 +1,4 @@
-"""Threshold calibration on every pair of a photo set (training/calibration.py)."""
+"""Threshold calibration on every pair of a photo set (training/evaluation/calibration.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from training.calibration import (
+from training.evaluation.calibration import (
     calibrate,
     identity_folds,
     score_all_pairs,
     write_calibration,
 )
-from training.lfw import false_accepts_allowed
+from training.evaluation.lfw import false_accepts_allowed
 
 
 def _clustered(n_people: int, per_person: int, dim: int = 16, spread: float = 0.6, seed: int = 0):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.lfw import (
+from training.evaluation.lfw import (
     THRESHOLD_GRID,
     LFWDataError,
     best_threshold,
@@ -574,7 +574,7 @@ def test_detect_mode_with_our_mtcnn_finds_lfw_faces_near_the_file_landmarks(
 @pytest.mark.shared_data
 def test_detector_landmark_report_over_the_first_lfw_images(lfw_dir):
     from models.mtcnn import MTCNNDetector
-    from training.lfw import detector_landmark_report
+    from training.evaluation.lfw import detector_landmark_report
 
     report = detector_landmark_report(lfw_dir, MTCNNDetector(intra_op_threads=1), limit=24, progress=False)
     assert report["images"] == 24
@@ -594,7 +594,7 @@ def test_cosine_protocol_scores_pairs_as_the_service_does_without_the_mean():
     """``subtract_mean=False``: the same folds and threshold rule on the raw cosine; with a large
     offset shared by every feature the two protocols disagree, and the raw one is what a
     hand-computed per-fold threshold on the cosine gives."""
-    from training.lfw import best_threshold, lfw_10fold_accuracy, verification_accuracy
+    from training.evaluation.lfw import best_threshold, lfw_10fold_accuracy, verification_accuracy
 
     rng = np.random.default_rng(4)
     n, dim = 400, 8
@@ -621,7 +621,7 @@ def test_cosine_protocol_scores_pairs_as_the_service_does_without_the_mean():
 
 
 def test_aligned_lfw_crops_rejects_an_unknown_landmarks_mode(tmp_path):
-    from training.lfw import aligned_lfw_crops
+    from training.evaluation.lfw import aligned_lfw_crops
 
     with pytest.raises(ValueError, match=r"landmarks must be one of \('file', 'detect'\), got 'dlib'"):
         aligned_lfw_crops(tmp_path, landmarks="dlib")
@@ -630,7 +630,7 @@ def test_aligned_lfw_crops_rejects_an_unknown_landmarks_mode(tmp_path):
 def test_detected_landmarks_key_changes_with_the_images_and_the_detector(tmp_path):
     import os
 
-    from training.lfw import detected_landmarks_key
+    from training.evaluation.lfw import detected_landmarks_key
 
     for name in ("A/A_0001.jpg", "B/B_0001.jpg"):
         (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -655,7 +655,7 @@ def test_detect_mode_crops_are_our_mtcnn_alignment_and_cached_per_key(lfw_dir, t
     """``aligned_lfw_crops(landmarks="detect")``: the crops of aligning with
     detect_central_landmarks directly; a second call is served from the cache without a detector;
     another pairs subset or a cache file with another key is detected again, never served stale."""
-    import training.lfw as lfw
+    import training.evaluation.lfw as lfw
     from models.align import SPHEREFACE_TEMPLATE_112x96, align_face
     from models.image import read_image
     from models.mtcnn import MTCNNDetector

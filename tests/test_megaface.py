@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.lfw import tar_at_far
-from training.megaface import (
+from training.evaluation.lfw import tar_at_far
+from training.evaluation.megaface import (
     FaceSet,
     MegaFaceDataError,
     RowCache,
@@ -369,7 +369,7 @@ class _NoDetector:
 @pytest.mark.shared_data
 def test_augmented_distractors_stay_near_their_source_face(tiny_sets, reference_model_dir, tmp_path):
     from models.embedder import Embedder
-    from training.megaface import ModelKey, detect_landmarks, embed_augmented, embed_faces
+    from training.evaluation.megaface import ModelKey, detect_landmarks, embed_augmented, embed_faces
 
     _, distractors = tiny_sets
     source = load_face_set(distractors, "distractors", probes=False).subset(np.arange(50) < 6)
@@ -432,7 +432,7 @@ def test_distractors_embedded_in_shards_give_the_same_search(tiny_sets, default_
     """The distributed path (deploy/megaface): every pod embeds every N-th distractor into its own
     .npy; the search over all shards' files equals the search over the whole set."""
     from models.cli import main
-    from training.megaface import embed_distractor_shard, load_face_set, shard_of
+    from training.evaluation.megaface import embed_distractor_shard, load_face_set, shard_of
 
     probes, distractors = tiny_sets
     files = []

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from training.megaface import MegaFaceDataError
-from training.megaface_report import (
+from training.evaluation.megaface import MegaFaceDataError
+from training.evaluation.megaface_report import (
     MISSING,
     PAPER_MEGAFACE,
     PLOT_FILES,
@@ -65,7 +65,7 @@ def make_report(
     cleaned: bool = False,
     augmented: int = 0,
 ) -> dict[str, Any]:
-    """A report dict shaped like :func:`training.megaface.run_megaface`'s."""
+    """A report dict shaped like :func:`training.evaluation.megaface.run_megaface`'s."""
     sizes = sizes if sizes is not None else [10, 100, 1000]
     rank1 = rank1 if rank1 is not None else {n: 0.975 - 0.1 * i for i, n in enumerate(sizes)}
     results = {"raw": _variant(sizes, rank1)}

@@ -105,7 +105,7 @@ def test_models_carry_both_thresholds_calibrated_on_every_pair_of_lfw(folder):
 @pytest.mark.shared_data
 @pytest.mark.slow
 def test_sphereface_celeba_reproduces_its_recorded_lfw_accuracy(lfw_dir):
-    from training.lfw import run_lfw_evaluation
+    from training.evaluation.lfw import run_lfw_evaluation
 
     recorded = json.loads((CELEBA / "lfw.json").read_text())
     result = run_lfw_evaluation(CELEBA, lfw_dir, landmarks=recorded["landmarks"], progress=False)

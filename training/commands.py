@@ -367,7 +367,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:
     from models.registry import resolve_model
-    from training.lfw import run_lfw_evaluation
+    from training.evaluation.lfw import run_lfw_evaluation
 
     args.model = resolve_model(args.model)
     if args.with_models:
@@ -398,7 +398,7 @@ def _run_evaluate_lfw_ensemble(args: argparse.Namespace) -> int:
     import json
 
     from models.registry import resolve_model
-    from training.lfw import lfw_ensemble, plot_roc, run_lfw_evaluation
+    from training.evaluation.lfw import lfw_ensemble, plot_roc, run_lfw_evaluation
 
     if args.write_lfw:
         raise UsageError("--write-lfw records one model's accuracy; leave it out with --with")
@@ -434,7 +434,7 @@ def _run_evaluate_lfw_ensemble(args: argparse.Namespace) -> int:
 def _run_evaluate_landmarks(args: argparse.Namespace) -> int:
     import json
 
-    from training.lfw import detector_landmark_report
+    from training.evaluation.lfw import detector_landmark_report
 
     report = detector_landmark_report(args.data, limit=args.limit, providers=args.providers)
     err = report["landmark_error_px"]
@@ -465,7 +465,7 @@ def _sizes(text: str | None) -> list[int] | None:
 
 def _run_evaluate_megaface_shard(args: argparse.Namespace) -> int:
     from models.registry import resolve_model
-    from training.megaface import embed_distractor_shard
+    from training.evaluation.megaface import embed_distractor_shard
 
     summary = embed_distractor_shard(
         resolve_model(args.model),
@@ -489,7 +489,7 @@ def _run_evaluate_megaface_shard(args: argparse.Namespace) -> int:
 
 def _run_evaluate_megaface(args: argparse.Namespace) -> int:
     from models.registry import resolve_model
-    from training.megaface import run_megaface, summary_lines
+    from training.evaluation.megaface import run_megaface, summary_lines
 
     report = run_megaface(
         resolve_model(args.model),
@@ -525,7 +525,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="cosine thresholds at FAR 1e-3..1e-6 from every pair of LFW's 13,233 photos",
         description="Embeds every LFW photo through the service's path (cached under .cache/megaface), "
         "scores every pair, and writes verification (FAR 1e-3) and identification (FAR 1e-4) thresholds "
-        "into the model's manifest, with the set and pair counts. See training/calibration.py.",
+        "into the model's manifest, with the set and pair counts. See training/evaluation/calibration.py.",
     )
     p.add_argument("--model", default="default", help="model name (`sphereface models`) or folder")
     p.add_argument("--lfw", default=None, help="LFW folder (default: ../shared/data/lfw)")
@@ -543,8 +543,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from models.registry import resolve_model
-    from training.calibration import plot_calibration, run_calibration, write_calibration
-    from training.reports import write_json
+    from training.evaluation.calibration import plot_calibration, run_calibration, write_calibration
+    from training.evaluation.report import write_json
 
     model_dir = resolve_model(args.model)
     lfw = (
@@ -589,7 +589,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from training.megaface_report import load_reports, markdown_report
+    from training.evaluation.megaface_report import load_reports, markdown_report
 
     names = args.names.split(",") if args.names else None
     if names is not None and len(names) != len(args.reports):

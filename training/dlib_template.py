@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from models.dlib_chip import apply_matrix, dlib_chip_matrix
-from training.reports import write_json
+from training.evaluation.report import write_json
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the new model folder is evaluated with ``sphereface evaluate lfw``'s job (throug
 the service's path; by default on crops aligned with our MTCNN's landmarks, as the service and
 ``sphereface prepare`` align faces) and its cosine thresholds are calibrated on every pair of
 LFW's photos at the stated false-accept rates, as ``sphereface calibrate`` does
-(:mod:`training.calibration`).
+(:mod:`training.evaluation.calibration`).
 """
 
 from __future__ import annotations
@@ -160,9 +160,9 @@ def evaluate_and_calibrate(
     """LFW accuracy (``lfw.json``, ``lfw_roc.png``) and thresholds calibrated on every pair of LFW's
     photos (``calibration.json``, ``calibration.png``) of a model folder, both written into its
     manifest. Returns the manifest and the numbers."""
-    from training.calibration import plot_calibration, run_calibration, write_calibration
-    from training.lfw import run_lfw_evaluation
-    from training.reports import write_json
+    from training.evaluation.calibration import plot_calibration, run_calibration, write_calibration
+    from training.evaluation.lfw import run_lfw_evaluation
+    from training.evaluation.report import write_json
 
     model_dir = Path(model_dir)
     result = run_lfw_evaluation(

@@ -21,8 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from training.calibration import calibrate, identity_folds, impostor_scores_to_keep, score_all_pairs
-from training.reports import write_json
+from training.evaluation.calibration import (
+    calibrate,
+    identity_folds,
+    impostor_scores_to_keep,
+    score_all_pairs,
+)
+from training.evaluation.report import write_json
 
 FUSIONS = ("none", "concat", "sum")
 DECISION_FAR = "1e-03"
@@ -48,8 +53,8 @@ def raw_features(
     from models.align import align_face, get_template
     from models.embedder import Embedder
     from models.image import read_image
-    from training.lfw import _ordered_map, _progress
-    from training.megaface import detect_landmarks, load_face_set
+    from training.evaluation.lfw import _ordered_map, _progress
+    from training.evaluation.megaface import detect_landmarks, load_face_set
 
     faces = load_face_set(data, data.name, probes=True)
     points, _ = detect_landmarks(faces, cache, workers=workers, progress=progress)
@@ -110,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     from models.registry import resolve_model
-    from training.megaface import default_cache_dir
+    from training.evaluation.megaface import default_cache_dir
 
     started = time.perf_counter()
     model_dir = resolve_model(args.model)

@@ -261,7 +261,7 @@ class LFWCheck:
         bf16: bool,
         landmarks: str = "detect",
     ) -> None:
-        from training.lfw import aligned_lfw_crops
+        from training.evaluation.lfw import aligned_lfw_crops
 
         started = time.perf_counter()
         self.crops, self.names, self.pairs = aligned_lfw_crops(lfw_dir, workers=2, landmarks=landmarks)
@@ -273,7 +273,7 @@ class LFWCheck:
         log.info("LFW check: %d crops aligned in %.1f s", len(self.crops), time.perf_counter() - started)
 
     def __call__(self, net: nn.Module, full: bool) -> dict[str, Any]:
-        from training.lfw import lfw_10fold_accuracy, pair_features
+        from training.evaluation.lfw import lfw_10fold_accuracy, pair_features
 
         started = time.perf_counter()
         pairs = self.pairs if full else self.quick_pairs
@@ -295,7 +295,7 @@ class LFWCheck:
 
 def _lfw_afs(features: np.ndarray, names: list[str]) -> float | None:
     """Angular Fisher score (Eq. A.1) of LFW features over the people with 2+ images."""
-    from training.lfw import identity_of
+    from training.evaluation.lfw import identity_of
     from training.metrics import angular_fisher_score
 
     people = np.array([identity_of(n) for n in names])

@@ -6,7 +6,7 @@ service's own path (our MTCNN, the model's template, its flip fusion) and *every
 about 87.5 million impostor pairs (different people) and 242 thousand genuine pairs.
 
 * The threshold for a FAR ``f`` is the cosine ``t`` with at most ``floor(f * n)`` impostor scores
-  above it (:func:`training.lfw.false_accepts_allowed`; the (k+1)-th highest impostor score), on
+  above it (:func:`training.evaluation.lfw.false_accepts_allowed`; the (k+1)-th highest impostor score), on
   all pairs: ``thresholds["verification"]`` at FAR 1e-3 and ``["identification"]`` at 1e-4.
 * It is cross-validated over people: identities are split into 10 folds (seeded); each fold's
   threshold is chosen on the pairs among the other nine folds' people, and the false-accept and
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from training.lfw import IMAGES_DIR, LFWDataError, false_accepts_allowed, far_label
+from training.evaluation.lfw import IMAGES_DIR, LFWDataError, false_accepts_allowed, far_label
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def run_calibration(
             ``file``: ``landmarks.txt``.
     """
     from models.embedder import Embedder
-    from training.megaface import (
+    from training.evaluation.megaface import (
         ModelKey,
         default_cache_dir,
         detect_landmarks,
@@ -230,7 +230,7 @@ def run_calibration(
             faces, cache, providers=providers, workers=workers, progress=progress
         )
     elif landmarks == "file":
-        from training.lfw import LANDMARKS_FILE, read_landmarks
+        from training.evaluation.lfw import LANDMARKS_FILE, read_landmarks
 
         table = read_landmarks(lfw_dir / LANDMARKS_FILE)
         missing = [k for k in faces.keys if k not in table]

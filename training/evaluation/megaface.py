@@ -12,7 +12,7 @@ The protocol (MegaFace Challenge 1, as the official devkit and ANCHORS.md d9 des
   Impostor pairs: every probe image with every one of the ``N`` distractors. TAR at FAR ``f``:
   the threshold is the ``(k+1)``-th highest impostor score with ``k = floor(f * n_impostor)``
   and a genuine pair is accepted when it scores strictly above it (the rule of
-  :func:`training.lfw.tar_at_far`).
+  :func:`training.evaluation.lfw.tar_at_far`).
 * **Noise lists** (FaceScrub / MegaFace label noise): removed probe images leave the probe set;
   removed distractors stay in the count but can never outscore anything (their scores are
   ``-inf``), as InsightFace's ``remove_noises.py`` does by pushing them far away. With lists, both
@@ -49,7 +49,7 @@ import numpy as np
 
 from models.errors import FacePathError, SphereFaceError
 from training import locks
-from training.lfw import _ordered_map, detect_central_landmarks, false_accepts_allowed, far_label
+from training.evaluation.lfw import _ordered_map, detect_central_landmarks, false_accepts_allowed, far_label
 
 log = logging.getLogger(__name__)
 
@@ -1215,7 +1215,7 @@ def run_megaface(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
     if plots_dir is not None:
-        from training.megaface_report import write_plots
+        from training.evaluation.megaface_report import write_plots
 
         report["plots"] = [str(p) for p in write_plots(report, plots_dir)]
     return report

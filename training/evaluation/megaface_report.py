@@ -1,7 +1,7 @@
 """Plots and Markdown tables of MegaFace Challenge 1 protocol reports.
 
-:func:`training.megaface.run_megaface` writes one JSON report per run. This module turns such reports
-into
+:func:`training.evaluation.megaface.run_megaface` writes one JSON report per run. This module turns
+such reports into
 
 * three PNG figures of one report (:func:`write_plots`): identification rate against the number of
   distractors, CMC curves and verification ROC curves;
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from training.megaface import MegaFaceDataError
+from training.evaluation.megaface import MegaFaceDataError
 
 #: Cell of a number that is not there (size not run, TAR not measurable at that FAR).
 MISSING = "–"
@@ -113,7 +113,7 @@ def _check_report(report: Any, where: str) -> str | None:
     missing = [key for key in ("results", "sizes") if key not in report]
     if missing:
         return (
-            f"{where} is not a MegaFace report JSON (as training.megaface writes): "
+            f"{where} is not a MegaFace report JSON (as training.evaluation.megaface writes): "
             f"it lacks {', '.join(repr(k) for k in missing)}"
         )
     if not isinstance(report["results"], dict) or not isinstance(report["sizes"], list):
