@@ -64,6 +64,7 @@ class Service:
 
     ``options`` are more ``serve`` options; the log (stdout and stderr) goes to ``log``, by default
     ``service-<port>.log`` beside ``data_dir``. ``ready_s``: seconds to wait for ``/readyz``.
+    ``port``: the port to listen on (default: a free one).
     """
 
     def __init__(
@@ -76,8 +77,9 @@ class Service:
         options: Sequence[str] = (),
         log: Path | None = None,
         ready_s: float = 90.0,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = serve_command(self.port, "--model", str(model), "--data-dir", str(data_dir), *options)
         self.log = log if log is not None else data_dir.parent / f"service-{self.port}.log"
