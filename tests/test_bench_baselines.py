@@ -33,7 +33,7 @@ def test_the_dlib_models_eager_baseline_is_the_served_network():
 @pytest.mark.shared_data
 def test_the_verify_report_names_the_baseline_network_of_the_model(reference_model_dir):
     from bench.baselines import torch_baseline_name
-    from bench.service import _render_verify
+    from bench.service_report import _render_verify
 
     dlib_dir = require_path(
         REPO_ROOT / "models" / "dlib_resnet_v1" / "manifest.json", "run `make install`"

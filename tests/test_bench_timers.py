@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-pytest.importorskip("torch")  # bench.service and bench.detector_profile import it
+pytest.importorskip("torch")  # bench.detector_profile imports it
 
 
 def test_the_stage_timer_counts_calls_made_in_two_threads_at_once():
-    from bench.service import StageTimer
+    from bench.stage_timer import StageTimer
 
     timer = StageTimer()
     both_inside = threading.Barrier(2)
