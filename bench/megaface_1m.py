@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,56 @@ def build_variants(sources: list[np.ndarray], count: int, cos: float, seed: int,
     return time.perf_counter() - started
 
 
-def main() -> int:
+def run_timed(command: list[str]) -> dict[str, float]:
+    """Run ``command`` in the repository; its wall time (s) and the children's peak RSS (KiB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"wall_s": wall, "peak_rss_kib": max(before, peak)}
+
+
+def summary(
+    args: argparse.Namespace,
+    real_photos: int,
+    variants: int,
+    embed_run: dict[str, Any],
+    run: dict[str, Any],
+    measured: dict[str, float],
+) -> dict[str, Any]:
+    """The benchmark's JSON: how the million was made, the run's time and memory, its results."""
+    augment_seconds = embed_run["timing_s"]["faces_augmented"]
+    if augment_seconds < 1.0:  # the augmented faces came from the cache: no rate measured here
+        augment_seconds = 0.0
+    return {
+        "what": "sphereface evaluate megaface --protocol local at 1,000,000 distractors on this machine",
+        "distractors": {
+            "real_photos": real_photos,
+            "augmented_embedded": args.augmented,
+            "feature_space_variants": variants,
+            "variant_rule": f"random embedded distractor + Gaussian noise, cos to it ~{args.variant_cos}, "
+            "L2-normalised (not faces: for time and memory only)",
+        },
+        "model_id": run["model_id"],
+        "probes": run["probes"]["images"],
+        "sizes": run["sizes"],
+        "chunk_mb": args.chunk_mb,
+        "run_wall_s": measured["wall_s"],
+        "run_timing_s": run["timing_s"],
+        "run_peak_rss_gib": run["peak_rss_gib"],
+        "children_peak_rss_gib": measured["peak_rss_kib"] / 2**20,
+        "augmented_faces_per_s": args.augmented / augment_seconds if augment_seconds > 0 else None,
+        "projected_hours_to_embed_1m_augmented": (
+            args.distractors / (args.augmented / augment_seconds) / 3600 if augment_seconds > 0 else None
+        ),
+        "identification_raw": {k: v["rank1"] for k, v in run["results"]["raw"]["identification"].items()},
+        "tar_at_far_1m": run["results"]["raw"]["verification"][str(run["sizes"][-1])]["tar_at_far"],
+        "cpus": run["host"]["cpus"],
+    }
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="models/sphereface_celeba")
     ap.add_argument("--data", default="../shared/data")
@@ -71,7 +121,11 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=float, default=256.0)
     ap.add_argument("--work", default="runs/megaface_1m")
     ap.add_argument("--json", dest="json_out", default="docs/results/megaface_1m.json")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
 
     from training.evaluation.megaface import ModelKey, default_cache_dir, local_protocol
 
@@ -100,42 +154,11 @@ def main() -> int:
           f"in {variant_seconds:.0f} s")  # fmt: skip
 
     # The run at 1M, in a fresh process: wall time and peak RSS.
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    started = time.perf_counter()
     run_cmd = [*cli, "--augment-to", str(real_total), "--extra-features", str(extra)]
     run_cmd += ["--chunk-mb", str(args.chunk_mb), "--json", str(work / "run_1m.json")]
-    subprocess.run(run_cmd, check=True, cwd=ROOT)
-    wall = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    measured = run_timed(run_cmd)
     run = json.loads((work / "run_1m.json").read_text())
-    augment_seconds = embed_run["timing_s"]["faces_augmented"]
-    if augment_seconds < 1.0:  # the augmented faces came from the cache: no rate measured here
-        augment_seconds = 0.0
-    result = {
-        "what": "sphereface evaluate megaface --protocol local at 1,000,000 distractors on this machine",
-        "distractors": {
-            "real_photos": len(distractors),
-            "augmented_embedded": args.augmented,
-            "feature_space_variants": variants,
-            "variant_rule": f"random embedded distractor + Gaussian noise, cos to it ~{args.variant_cos}, "
-            "L2-normalised (not faces: for time and memory only)",
-        },
-        "model_id": run["model_id"],
-        "probes": run["probes"]["images"],
-        "sizes": run["sizes"],
-        "chunk_mb": args.chunk_mb,
-        "run_wall_s": wall,
-        "run_timing_s": run["timing_s"],
-        "run_peak_rss_gib": run["peak_rss_gib"],
-        "children_peak_rss_gib": max(before, peak) / 2**20,
-        "augmented_faces_per_s": args.augmented / augment_seconds if augment_seconds > 0 else None,
-        "projected_hours_to_embed_1m_augmented": (
-            args.distractors / (args.augmented / augment_seconds) / 3600 if augment_seconds > 0 else None
-        ),
-        "identification_raw": {k: v["rank1"] for k, v in run["results"]["raw"]["identification"].items()},
-        "tar_at_far_1m": run["results"]["raw"]["verification"][str(run["sizes"][-1])]["tar_at_far"],
-        "cpus": run["host"]["cpus"],
-    }
+    result = summary(args, len(distractors), variants, embed_run, run, measured)
     out = ROOT / args.json_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
