@@ -58,7 +58,8 @@ def dlib_descriptors(lfw: Path, names: list[str], progress: bool = True) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.evaluation.lfw import lfw_10fold_accuracy, pair_features, read_pairs
+    from training.evaluation.lfw_files import pair_features, read_pairs
+    from training.evaluation.verification import lfw_10fold_accuracy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, required=True, help="LFW folder (images/, pairs.txt)")

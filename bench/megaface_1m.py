@@ -127,7 +127,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
 
-    from training.evaluation.megaface import ModelKey, default_cache_dir, local_protocol
+    from training.evaluation.cache import ModelKey, default_cache_dir
+    from training.evaluation.megaface import local_protocol
 
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)

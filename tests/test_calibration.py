@@ -13,7 +13,7 @@ from training.evaluation.calibration import (
     score_all_pairs,
     write_calibration,
 )
-from training.evaluation.lfw import false_accepts_allowed
+from training.evaluation.verification import false_accepts_allowed
 
 
 def _clustered(n_people: int, per_person: int, dim: int = 16, spread: float = 0.6, seed: int = 0):

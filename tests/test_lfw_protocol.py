@@ -8,21 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.evaluation.lfw import (
+from training.evaluation.errors import LFWDataError
+from training.evaluation.landmarks import central_box, landmark_error_stats
+from training.evaluation.lfw import lfw_ensemble, plot_roc, run_lfw_evaluation
+from training.evaluation.lfw_files import pair_features, read_landmarks, read_pairs
+from training.evaluation.verification import (
     THRESHOLD_GRID,
-    LFWDataError,
     best_threshold,
-    central_box,
     grid_accuracies,
-    landmark_error_stats,
     lfw_10fold_accuracy,
-    lfw_ensemble,
-    pair_features,
-    plot_roc,
-    read_landmarks,
-    read_pairs,
     roc_curve,
-    run_lfw_evaluation,
     tar_at_far,
     verification_accuracy,
 )
@@ -574,7 +569,7 @@ def test_detect_mode_with_our_mtcnn_finds_lfw_faces_near_the_file_landmarks(
 @pytest.mark.shared_data
 def test_detector_landmark_report_over_the_first_lfw_images(lfw_dir):
     from models.mtcnn import MTCNNDetector
-    from training.evaluation.lfw import detector_landmark_report
+    from training.evaluation.landmarks import detector_landmark_report
 
     report = detector_landmark_report(lfw_dir, MTCNNDetector(intra_op_threads=1), limit=24, progress=False)
     assert report["images"] == 24
@@ -594,7 +589,7 @@ def test_cosine_protocol_scores_pairs_as_the_service_does_without_the_mean():
     """``subtract_mean=False``: the same folds and threshold rule on the raw cosine; with a large
     offset shared by every feature the two protocols disagree, and the raw one is what a
     hand-computed per-fold threshold on the cosine gives."""
-    from training.evaluation.lfw import best_threshold, lfw_10fold_accuracy, verification_accuracy
+    from training.evaluation.verification import best_threshold, lfw_10fold_accuracy, verification_accuracy
 
     rng = np.random.default_rng(4)
     n, dim = 400, 8
@@ -630,7 +625,7 @@ def test_aligned_lfw_crops_rejects_an_unknown_landmarks_mode(tmp_path):
 def test_detected_landmarks_key_changes_with_the_images_and_the_detector(tmp_path):
     import os
 
-    from training.evaluation.lfw import detected_landmarks_key
+    from training.evaluation.cache import detected_landmarks_key
 
     for name in ("A/A_0001.jpg", "B/B_0001.jpg"):
         (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -655,19 +650,20 @@ def test_detect_mode_crops_are_our_mtcnn_alignment_and_cached_per_key(lfw_dir, t
     """``aligned_lfw_crops(landmarks="detect")``: the crops of aligning with
     detect_central_landmarks directly; a second call is served from the cache without a detector;
     another pairs subset or a cache file with another key is detected again, never served stale."""
+    import training.evaluation.cache as cache_module
     import training.evaluation.lfw as lfw
     from models.align import SPHEREFACE_TEMPLATE_112x96, align_face
     from models.image import read_image
     from models.mtcnn import MTCNNDetector
 
     made: list[object] = []
-    make_detector = lfw._make_detector
+    make_detector = cache_module.make_detector
 
-    def counting(providers, workers):
+    def counting(providers):
         made.append(providers)
-        return make_detector(providers, workers)
+        return make_detector(providers)
 
-    monkeypatch.setattr(lfw, "_make_detector", counting)
+    monkeypatch.setattr(cache_module, "make_detector", counting)
     cache = tmp_path / "cache"
     detector = MTCNNDetector(intra_op_threads=1)
 
@@ -675,7 +671,7 @@ def test_detect_mode_crops_are_our_mtcnn_alignment_and_cached_per_key(lfw_dir, t
         crops = []
         for name in names:
             image = read_image(lfw_dir / "images" / name)
-            points, _ = lfw.detect_central_landmarks(detector, image)
+            points, _ = cache_module.detect_central_landmarks(detector, image)
             crops.append(align_face(image, points + shift, SPHEREFACE_TEMPLATE_112x96))
         return np.stack(crops)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from training import locks
-from training.evaluation.lfw import _save_landmark_cache, detected_landmarks_key, detected_lfw_landmarks
+from training.evaluation.cache import _save_landmark_cache, detected_landmarks_key, detected_lfw_landmarks
 
 
 def test_a_second_holder_waits_for_the_first(tmp_path):

@@ -10,26 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.evaluation.lfw import tar_at_far
-from training.evaluation.megaface import (
-    FaceSet,
-    MegaFaceDataError,
-    RowCache,
-    cap_per_identity,
-    distractor_sizes,
+from training.evaluation.cache import RowCache
+from training.evaluation.errors import MegaFaceDataError
+from training.evaluation.faces import FaceSet, cap_per_identity, load_face_set, removed_mask
+from training.evaluation.megaface import local_protocol, run_megaface
+from training.evaluation.megaface_metrics import (
     genuine_scores,
     identity_groups,
-    load_face_set,
-    local_protocol,
-    merge_top_k,
-    removed_mask,
-    run_megaface,
-    search_distractors,
     search_ranks,
     summarise,
     threshold_at_far,
     verification_at,
 )
+from training.evaluation.megaface_search import distractor_sizes, merge_top_k, search_distractors
+from training.evaluation.verification import tar_at_far
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -369,7 +363,8 @@ class _NoDetector:
 @pytest.mark.shared_data
 def test_augmented_distractors_stay_near_their_source_face(tiny_sets, reference_model_dir, tmp_path):
     from models.embedder import Embedder
-    from training.evaluation.megaface import ModelKey, detect_landmarks, embed_augmented, embed_faces
+    from training.evaluation.cache import ModelKey, detect_landmarks, embed_faces
+    from training.evaluation.megaface_augment import embed_augmented
 
     _, distractors = tiny_sets
     source = load_face_set(distractors, "distractors", probes=False).subset(np.arange(50) < 6)
@@ -432,7 +427,8 @@ def test_distractors_embedded_in_shards_give_the_same_search(tiny_sets, default_
     """The distributed path (deploy/megaface): every pod embeds every N-th distractor into its own
     .npy; the search over all shards' files equals the search over the whole set."""
     from models.cli import main
-    from training.evaluation.megaface import embed_distractor_shard, load_face_set, shard_of
+    from training.evaluation.faces import load_face_set, shard_of
+    from training.evaluation.megaface import embed_distractor_shard
 
     probes, distractors = tiny_sets
     files = []

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from training.evaluation.megaface import MegaFaceDataError
+from training.evaluation.errors import MegaFaceDataError
 from training.evaluation.megaface_report import (
     MISSING,
     PAPER_MEGAFACE,

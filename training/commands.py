@@ -434,7 +434,7 @@ def _run_evaluate_lfw_ensemble(args: argparse.Namespace) -> int:
 def _run_evaluate_landmarks(args: argparse.Namespace) -> int:
     import json
 
-    from training.evaluation.lfw import detector_landmark_report
+    from training.evaluation.landmarks import detector_landmark_report
 
     report = detector_landmark_report(args.data, limit=args.limit, providers=args.providers)
     err = report["landmark_error_px"]

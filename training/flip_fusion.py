@@ -53,8 +53,9 @@ def raw_features(
     from models.align import align_face, get_template
     from models.embedder import Embedder
     from models.image import read_image
-    from training.evaluation.lfw import _ordered_map, _progress
-    from training.evaluation.megaface import detect_landmarks, load_face_set
+    from training.evaluation.cache import detect_landmarks
+    from training.evaluation.faces import load_face_set
+    from training.evaluation.parallel import ordered_map, progress_bar
 
     faces = load_face_set(data, data.name, probes=True)
     points, _ = detect_landmarks(faces, cache, workers=workers, progress=progress)
@@ -75,8 +76,8 @@ def raw_features(
             mirrored.append(embedder.raw(np.ascontiguousarray(crops[:, :, ::-1])))
             batch.clear()
 
-    stream = _ordered_map(crop, range(len(faces)), workers, window=128)
-    for item in _progress(stream, len(faces), f"embed {data.name}", progress):
+    stream = ordered_map(crop, range(len(faces)), workers, window=128)
+    for item in progress_bar(stream, len(faces), f"embed {data.name}", progress):
         batch.append(item)
         if len(batch) == 64:
             flush()
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     from models.registry import resolve_model
-    from training.evaluation.megaface import default_cache_dir
+    from training.evaluation.cache import default_cache_dir
 
     started = time.perf_counter()
     model_dir = resolve_model(args.model)

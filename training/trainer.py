@@ -273,7 +273,8 @@ class LFWCheck:
         log.info("LFW check: %d crops aligned in %.1f s", len(self.crops), time.perf_counter() - started)
 
     def __call__(self, net: nn.Module, full: bool) -> dict[str, Any]:
-        from training.evaluation.lfw import lfw_10fold_accuracy, pair_features
+        from training.evaluation.lfw_files import pair_features
+        from training.evaluation.verification import lfw_10fold_accuracy
 
         started = time.perf_counter()
         pairs = self.pairs if full else self.quick_pairs
@@ -295,7 +296,7 @@ class LFWCheck:
 
 def _lfw_afs(features: np.ndarray, names: list[str]) -> float | None:
     """Angular Fisher score (Eq. A.1) of LFW features over the people with 2+ images."""
-    from training.evaluation.lfw import identity_of
+    from training.evaluation.lfw_files import identity_of
     from training.metrics import angular_fisher_score
 
     people = np.array([identity_of(n) for n in names])

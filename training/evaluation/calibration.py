@@ -6,7 +6,8 @@ service's own path (our MTCNN, the model's template, its flip fusion) and *every
 about 87.5 million impostor pairs (different people) and 242 thousand genuine pairs.
 
 * The threshold for a FAR ``f`` is the cosine ``t`` with at most ``floor(f * n)`` impostor scores
-  above it (:func:`training.evaluation.lfw.false_accepts_allowed`; the (k+1)-th highest impostor score), on
+  above it (:func:`~training.evaluation.verification.false_accepts_allowed`; the (k+1)-th highest
+  impostor score), on
   all pairs: ``thresholds["verification"]`` at FAR 1e-3 and ``["identification"]`` at 1e-4.
 * It is cross-validated over people: identities are split into 10 folds (seeded); each fold's
   threshold is chosen on the pairs among the other nine folds' people, and the false-accept and
@@ -30,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from training.evaluation.lfw import IMAGES_DIR, LFWDataError, false_accepts_allowed, far_label
+from training.evaluation.cache import ModelKey, default_cache_dir, detect_landmarks, embed_faces
+from training.evaluation.errors import LFWDataError
+from training.evaluation.faces import FaceSet, load_face_set
+from training.evaluation.lfw_files import IMAGES_DIR, LANDMARKS_FILE, read_landmarks, require_images
+from training.evaluation.report import new_axes, save_figure
+from training.evaluation.verification import false_accepts_allowed, far_label
 
 log = logging.getLogger(__name__)
 
@@ -210,52 +216,82 @@ def run_calibration(
         landmarks: ``detect``: our MTCNN, face nearest the centre (what the service does);
             ``file``: ``landmarks.txt``.
     """
-    from models.embedder import Embedder
-    from training.evaluation.megaface import (
-        ModelKey,
-        default_cache_dir,
-        detect_landmarks,
-        embed_faces,
-        load_face_set,
-    )
-
     started = time.perf_counter()
     lfw_dir = Path(lfw_dir)
-    if not (lfw_dir / IMAGES_DIR).is_dir():
-        raise LFWDataError(f"{lfw_dir} is not an LFW folder: {lfw_dir / IMAGES_DIR} is missing")
+    require_images(lfw_dir)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     faces = load_face_set(lfw_dir / IMAGES_DIR, "lfw-all", probes=True)
-    if landmarks == "detect":
-        points, found = detect_landmarks(
-            faces, cache, providers=providers, workers=workers, progress=progress
-        )
-    elif landmarks == "file":
-        from training.evaluation.lfw import LANDMARKS_FILE, read_landmarks
-
-        table = read_landmarks(lfw_dir / LANDMARKS_FILE)
-        missing = [k for k in faces.keys if k not in table]
-        if missing:
-            raise LFWDataError(
-                f"{lfw_dir / LANDMARKS_FILE} has no landmarks for {len(missing)} photos, e.g. {missing[0]}"
-            )
-        points, found = np.stack([table[k] for k in faces.keys]), np.ones(len(faces), dtype=bool)
-    else:
-        raise ValueError(f"landmarks must be 'detect' or 'file', not {landmarks!r}")
-    model = ModelKey.of(model_dir)
-    embedder = Embedder(model_dir, providers, batch_size=64, intra_op_threads=1 if workers > 1 else 0)
-    cache_root = cache if landmarks == "detect" else cache / "file-landmarks"
-    features = np.asarray(
-        embed_faces(faces, points, model, embedder, cache_root, workers=workers, progress=progress)
-    )
+    points, found = _landmarks(faces, lfw_dir, landmarks, cache, providers, workers, progress)
+    features, model_id = _embeddings(
+        model_dir, faces, points, cache if landmarks == "detect" else cache / "file-landmarks",
+        providers, workers, progress,
+    )  # fmt: skip
     embedded = time.perf_counter()
     identities = faces.identities or []
-    folds = identity_folds(identities, seed=seed)
     n = len(features)
     scores = score_all_pairs(
-        features, identities, folds, keep=impostor_scores_to_keep(fars, n * (n - 1) // 2), progress=progress
-    )
-    result = calibrate(scores, fars)
-    n_people = len(set(identities))
+        features, identities, identity_folds(identities, seed=seed),
+        keep=impostor_scores_to_keep(fars, n * (n - 1) // 2), progress=progress,
+    )  # fmt: skip
+    report = _report(scores, calibrate(scores, fars), lfw_dir, landmarks, model_id, identities, found, seed)
+    report["timing_s"] = {"embedding": embedded - started, "total": time.perf_counter() - started}
+    return report
+
+
+def _landmarks(
+    faces: FaceSet,
+    lfw_dir: Path,
+    landmarks: str,
+    cache: Path,
+    providers: str,
+    workers: int,
+    progress: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(n, 5, 2)`` landmarks of every photo and ``found`` flags: detected (cached), or from
+    ``landmarks.txt`` (every photo counts as found)."""
+    if landmarks == "detect":
+        return detect_landmarks(faces, cache, providers=providers, workers=workers, progress=progress)
+    if landmarks != "file":
+        raise ValueError(f"landmarks must be 'detect' or 'file', not {landmarks!r}")
+    table = read_landmarks(lfw_dir / LANDMARKS_FILE)
+    missing = [k for k in faces.keys if k not in table]
+    if missing:
+        raise LFWDataError(
+            f"{lfw_dir / LANDMARKS_FILE} has no landmarks for {len(missing)} photos, e.g. {missing[0]}"
+        )
+    return np.stack([table[k] for k in faces.keys]), np.ones(len(faces), dtype=bool)
+
+
+def _embeddings(
+    model_dir: str | Path,
+    faces: FaceSet,
+    points: np.ndarray,
+    cache: Path,
+    providers: str,
+    workers: int,
+    progress: bool,
+) -> tuple[np.ndarray, str]:
+    """The photos' L2-normalised fused embeddings (cached under ``cache``) and the model's id."""
+    from models.embedder import Embedder
+
+    model = ModelKey.of(model_dir)
+    embedder = Embedder(model_dir, providers, batch_size=64, intra_op_threads=1 if workers > 1 else 0)
+    features = embed_faces(faces, points, model, embedder, cache, workers=workers, progress=progress)
+    return np.asarray(features), embedder.manifest.model_id
+
+
+def _report(
+    scores: PairScores,
+    result: dict[str, Any],
+    lfw_dir: Path,
+    landmarks: str,
+    model_id: str,
+    identities: Sequence[str],
+    found: np.ndarray,
+    seed: int,
+) -> dict[str, Any]:
+    """The calibration report without its timing: the set, the pair counts and the thresholds."""
+    n, n_people = len(identities), len(set(identities))
     return {
         "set": CALIBRATION_SET,
         "description": (
@@ -264,7 +300,7 @@ def run_calibration(
             f"{len(scores.genuine):,} genuine pairs; "
             f"cosine of L2-normalised fused embeddings; cross-validated over {N_FOLDS} folds of people"
         ),
-        "model_id": embedder.manifest.model_id,
+        "model_id": model_id,
         "landmarks": landmarks,
         "photos": n,
         "people": n_people,
@@ -275,7 +311,6 @@ def run_calibration(
         "seed": seed,
         "fars": result,
         "histogram": score_histograms(scores),
-        "timing_s": {"embedding": embedded - started, "total": time.perf_counter() - started},
     }
 
 
@@ -294,15 +329,10 @@ def score_histograms(scores: PairScores, bins: int = 200) -> dict[str, Any]:
 def plot_calibration(report: dict[str, Any], path: str | Path) -> Path:
     """Genuine and impostor score densities (log scale, so the tails where the thresholds sit
     show) with the calibrated thresholds (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     hist = report["histogram"]
     edges = np.asarray(hist["edges"])
     centres = (edges[:-1] + edges[1:]) / 2
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = new_axes((8, 4.5))
     for key, label, colour in (
         ("genuine", f"genuine pairs ({report['n_genuine']:,})", "tab:green"),
         ("impostor_within_folds", "impostor pairs (within folds of people)", "tab:red"),
@@ -321,12 +351,7 @@ def plot_calibration(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("share of pairs (log)")
     ax.set_title(f"{report['model_id']}: LFW, every pair of {report['photos']:,} photos")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def write_calibration(

@@ -16,11 +16,12 @@ Rates in the reports are fractions; everything here prints them as percentages w
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from training.evaluation.megaface import MegaFaceDataError
+from training.evaluation.errors import MegaFaceDataError
+from training.evaluation.report import markdown_table, new_axes, save_figure
 
 #: Cell of a number that is not there (size not run, TAR not measurable at that FAR).
 MISSING = "–"
@@ -44,9 +45,9 @@ class PaperRow(NamedTuple):
 
 
 #: The papers' MegaFace Challenge 1 numbers of CASIA-WebFace-trained single models and the
-#: SphereFace ensemble (``/work/shared/docs/SPEC.md`` section 6). Sources: ``T2.10`` = Table 2.10
-#: (SphereFace-64), ``TA.2`` = Table A.2 (depth), ``T5.8 / TD.7`` = Tables 5.8 (MR1) and D.7 (MV),
-#: ``T5.9`` = Table 5.9 (SphereFace+ on SphereFace-64, MR1 only).
+#: SphereFace ensemble, from the SphereFace thesis: ``T2.10`` = Table 2.10 (SphereFace-64),
+#: ``TA.2`` = Table A.2 (depth), ``T5.8 / TD.7`` = Tables 5.8 (MR1) and D.7 (MV), ``T5.9`` =
+#: Table 5.9 (SphereFace+ on SphereFace-64, MR1 only).
 PAPER_MEGAFACE: tuple[PaperRow, ...] = (
     PaperRow("T2.10", "Softmax", "SphereFace-64", "CASIA-WebFace", 54.855, 65.925),
     PaperRow("T2.10", "Softmax+Contrastive", "SphereFace-64", "CASIA-WebFace", 65.219, 78.865),
@@ -91,19 +92,6 @@ def _paper_number(value: float | None) -> str:
         return MISSING
     text = f"{value:.3f}"
     return text[:-1] if text.endswith("0") else text
-
-
-def _cell(text: Any) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]], numeric_from: int) -> list[str]:
-    """A Markdown table; columns from index ``numeric_from`` on are right-aligned."""
-    align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
-    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 def _check_report(report: Any, where: str) -> str | None:
@@ -165,12 +153,7 @@ def _far_sort_key(label: str) -> tuple[float, str]:
 
 def _new_axes(title: str) -> tuple[Any, Any]:
     """A Figure on the Agg canvas (no pyplot, no global state) and its one Axes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.2, 5.2), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = new_axes((7.2, 5.2), dpi=120)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     return fig, ax
@@ -183,9 +166,7 @@ def _finish(fig: Any, ax: Any, path: Path, empty_text: str, legend_loc: str = "b
         ax.legend(loc=legend_loc, fontsize=8)
     else:
         ax.text(0.5, 0.5, empty_text, ha="center", va="center", transform=ax.transAxes, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)
 
 
 def _plot_identification(report: dict[str, Any], path: Path, heading: str) -> Path:
@@ -359,6 +340,26 @@ def markdown_report(reports: list[dict[str, Any]], names: list[str] | None = Non
     ``names`` (one per report) replace the model ids in the tables. Raises ValueError when there is
     no report, when ``names`` does not match, or when a dict is not a MegaFace report.
     """
+    labels = _labels(reports, names)
+    lines = ["# MegaFace Challenge 1 protocol: results", ""]
+    lines += [
+        "Rates in %. Rank-1 identification at every distractor count N; rank-10 identification and "
+        "verification TAR at each false accept rate are at the report's largest N "
+        f"(`{MISSING}`: not run, or too few impostor pairs for that FAR).",
+        "",
+    ]
+    lines += _results_table(reports, labels)
+    lines += ["", "Protocols:", ""] + _protocol_lines(reports)
+    notes = _distractor_notes(reports, labels)
+    if notes:
+        lines += ["", "Distractors and cleaning:", ""] + notes
+    lines.append("")
+    lines += _papers_section(reports, labels)
+    return "\n".join(lines) + "\n"
+
+
+def _labels(reports: list[dict[str, Any]], names: list[str] | None) -> list[str]:
+    """The row name of each report (``names``, else its model id), after checking the reports."""
     if not reports:
         raise ValueError("no MegaFace report given: markdown_report needs at least one report")
     for i, report in enumerate(reports):
@@ -367,16 +368,16 @@ def markdown_report(reports: list[dict[str, Any]], names: list[str] | None = Non
             raise ValueError(problem)
     if names is not None and len(names) != len(reports):
         raise ValueError(f"{len(names)} names given for {len(reports)} reports")
-    labels = (
-        list(names)
-        if names is not None
-        else [str(r.get("model_id", f"report {i + 1}")) for i, r in enumerate(reports)]
-    )
+    if names is not None:
+        return list(names)
+    return [str(r.get("model_id", f"report {i + 1}")) for i, r in enumerate(reports)]
 
+
+def _results_table(reports: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """The main table: one row per report and variant."""
     all_sizes = sorted({n for r in reports for n in _sizes(r)})
     fars = sorted({str(f) for r in reports for f in r.get("fars") or []}, key=_far_sort_key)
     header = ["model", "variant", "protocol", "probe images / ids", "distractors"]
-    numeric_from = 3
     header += [f"rank-1 @{size_label(n)}" for n in all_sizes]
     header += ["largest N", "rank-10 @largest"] + [f"TAR @{far}" for far in fars]
     rows = []
@@ -394,88 +395,95 @@ def markdown_report(reports: list[dict[str, Any]], names: list[str] | None = Non
             ]
             row += [percent(_tar(result, largest, far)) for far in fars]
             rows.append(row)
+    return markdown_table(header, rows, numeric_from=3)
 
-    lines = ["# MegaFace Challenge 1 protocol: results", ""]
-    lines += [
-        "Rates in %. Rank-1 identification at every distractor count N; rank-10 identification and "
-        "verification TAR at each false accept rate are at the report's largest N "
-        f"(`{MISSING}`: not run, or too few impostor pairs for that FAR).",
-        "",
-    ]
-    lines += _table(header, rows, numeric_from)
-    lines += ["", "Protocols:", ""]
+
+def _protocol_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct protocol (name and description) of the reports, in order."""
     seen: list[tuple[str, str]] = []
     for report in reports:
         key = (str(report.get("protocol", "?")), str(report.get("protocol_description", "")))
         if key not in seen:
             seen.append(key)
-    lines += [f"- `{p}`: {desc or 'no description'}" for p, desc in seen]
-    extras = []
+    return [f"- `{p}`: {desc or 'no description'}" for p, desc in seen]
+
+
+def _distractor_notes(reports: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """Augmented distractors, extra feature files and cleaning of each report, one line each."""
+    notes = []
     for label, report in zip(labels, reports, strict=True):
         d = report.get("distractors") or {}
         if int(d.get("augmented") or 0) > 0:
-            extras.append(
-                f"- {label}: {int(d['augmented']):,} augmented distractors: {d.get('augmentation')}"
-            )
+            notes.append(f"- {label}: {int(d['augmented']):,} augmented distractors: {d.get('augmentation')}")
         if d.get("extra_features"):
             extra = d["extra_features"]
-            extras.append(
+            notes.append(
                 f"- {label}: {int(extra.get('rows', 0)):,} extra distractor features from {extra.get('file')}"
             )
         probes_removed = (report.get("probes") or {}).get("removed")
         if "cleaned" in report["results"] and (probes_removed is not None or d.get("removed") is not None):
-            extras.append(
+            notes.append(
                 f"- {label}: cleaned = {probes_removed or 0:,} noisy probe images removed, "
                 f"{d.get('removed') or 0:,} noisy distractors kept in the count but never ranked"
             )
-    if extras:
-        lines += ["", "Distractors and cleaning:", ""] + extras
+    return notes
 
+
+def _papers_section(reports: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """The papers' numbers: beside the comparable runs, or apart with a note when none is."""
     comparable = [i for i, r in enumerate(reports) if _comparable(r)]
-    lines.append("")
-    if comparable:
-        lines += ["## MegaFace Challenge 1 at 1M distractors: this run and the papers", ""]
-        ours = []
-        for i in comparable:
-            report = reports[i]
-            size = PAPER_DISTRACTORS if PAPER_DISTRACTORS in _sizes(report) else _largest(report)
-            for variant in _variants(report):
-                result = report["results"][variant]
-                at = "" if size == PAPER_DISTRACTORS else f", N = {size:,}"
-                method = f"{labels[i]} ({variant}, this run{at})"
-                ours.append(
-                    [
-                        method,
-                        MISSING,
-                        MISSING,
-                        percent(_rate(result, size, "rank1")),
-                        percent(_tar(result, size, "1e-06")),
-                    ]
-                )
-        lines += _table(
-            ["method", "arch", "training data", "rank-1 @1M", "TAR @1e-6"],
-            ours + _paper_rows(with_source=False),
-            numeric_from=3,
+    if not comparable:
+        return _papers_apart(reports)
+    lines = ["## MegaFace Challenge 1 at 1M distractors: this run and the papers", ""]
+    ours = [row for i in comparable for row in _comparable_rows(reports[i], labels[i])]
+    lines += markdown_table(
+        ["method", "arch", "training data", "rank-1 @1M", "TAR @1e-6"],
+        ours + _paper_rows(with_source=False),
+        numeric_from=3,
+    )
+    others = [labels[i] for i in range(len(reports)) if i not in comparable]
+    if others:
+        lines += ["", f"Not in this comparison (not the MegaFace protocol at 1M): {', '.join(others)}."]
+    return lines
+
+
+def _comparable_rows(report: dict[str, Any], label: str) -> list[list[str]]:
+    """A comparable report's rows beside the papers': rank-1 and TAR at FAR 1e-6 at 1M (or its
+    largest count, named in the row)."""
+    size = PAPER_DISTRACTORS if PAPER_DISTRACTORS in _sizes(report) else _largest(report)
+    rows = []
+    for variant in _variants(report):
+        result = report["results"][variant]
+        at = "" if size == PAPER_DISTRACTORS else f", N = {size:,}"
+        method = f"{label} ({variant}, this run{at})"
+        rows.append(
+            [
+                method,
+                MISSING,
+                MISSING,
+                percent(_rate(result, size, "rank1")),
+                percent(_tar(result, size, "1e-06")),
+            ]
         )
-        others = [labels[i] for i in range(len(reports)) if i not in comparable]
-        if others:
-            lines += ["", f"Not in this comparison (not the MegaFace protocol at 1M): {', '.join(others)}."]
-    else:
-        protocols = list(dict.fromkeys(str(r.get("protocol", "?")) for r in reports))
-        lines += [
-            "## The papers: MegaFace Challenge 1 at 1M distractors",
-            "",
-            "The papers used FaceScrub probes and the 1M MegaFace distractors, so these numbers are not "
-            f"comparable with the protocol{'s' if len(protocols) > 1 else ''} of the reports above "
-            f"({', '.join(f'`{p}`' for p in protocols)}).",
-            "",
-        ]
-        lines += _table(
-            ["source", "method", "arch", "training data", "rank-1 @1M", "TAR @1e-6"],
-            _paper_rows(with_source=True),
-            numeric_from=4,
-        )
-    return "\n".join(lines) + "\n"
+    return rows
+
+
+def _papers_apart(reports: list[dict[str, Any]]) -> list[str]:
+    """The papers' table on its own, with a note naming the reports' protocols."""
+    protocols = list(dict.fromkeys(str(r.get("protocol", "?")) for r in reports))
+    lines = [
+        "## The papers: MegaFace Challenge 1 at 1M distractors",
+        "",
+        "The papers used FaceScrub probes and the 1M MegaFace distractors, so these numbers are not "
+        f"comparable with the protocol{'s' if len(protocols) > 1 else ''} of the reports above "
+        f"({', '.join(f'`{p}`' for p in protocols)}).",
+        "",
+    ]
+    return lines + markdown_table(
+        ["source", "method", "arch", "training data", "rank-1 @1M", "TAR @1e-6"],
+        _paper_rows(with_source=True),
+        numeric_from=4,
+    )
 
 
 def load_reports(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
