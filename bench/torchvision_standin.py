@@ -2,7 +2,7 @@
 
 facenet_pytorch/models/utils/detect_face.py does ``from torchvision.ops.boxes import batched_nms``
 and ``from torchvision.transforms import functional as F`` (``F.to_tensor``). torchvision does not
-work on these machines, so ``bench/face_path.py`` copies this file into the throwaway folder it
+work on these machines, so ``bench/facenet_env.py`` copies this file into the throwaway folder it
 builds for facenet-pytorch (``.cache/bench/...``) as ``torchvision/_standin.py`` and adds tiny
 ``torchvision.ops.boxes`` / ``torchvision.transforms.functional`` modules that re-export it. It is
 never importable as ``torchvision`` from the project itself.
