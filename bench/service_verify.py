@@ -98,7 +98,6 @@ class ServedOverSocket:
     latency a client on the same machine sees, without the in-process TestClient's own work."""
 
     def __init__(self, model: Path, redis_url: str, data_dir: Path, threads: int, ready_s: float = 180.0):
-
         from service.serve_process import Service
 
         self.service = Service(
