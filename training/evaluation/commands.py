@@ -81,7 +81,7 @@ def _add_evaluate_megaface(which: argparse._SubParsersAction) -> None:
         help="MegaFace Challenge 1 rule: rank-1/10 identification vs distractor count, TAR at FAR 1e-3..1e-6",
         description="Embeds probes and distractors once (cached under --cache, resumable), then for every "
         "probe identity and image: that image in a gallery with N distractors, searched with the others "
-        "(N = 10, 100, ..., 1M, as many as there are). See docs/megaface.md.",
+        "(N = 10, 100, ..., 1M, as many as there are). See docs/reference/megaface-protocol.md.",
     )
     _add_megaface_sets(mega)
     _add_megaface_run(mega)
@@ -158,7 +158,7 @@ def _add_evaluate_megaface_shard(which: argparse._SubParsersAction) -> None:
         help="embed one shard of a large distractor set (one pod of a Kubernetes Indexed Job)",
         description="Detects, aligns and embeds every N-th distractor image from the shard index on, and "
         "writes L2-normalised float32 features (.npy, with a .json beside it). Pass every shard's file to "
-        "`evaluate megaface --extra-features` for the search (docs/deploy.md, deploy/megaface).",
+        "`evaluate megaface --extra-features` for the search (docs/guides/deploy.md, deploy/megaface).",
     )
     shard.add_argument("--model", default="default", help="model name or folder; default: default")
     shard.add_argument("--distractors", required=True, help="folder of distractor images, or a list file")

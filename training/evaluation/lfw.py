@@ -527,7 +527,7 @@ def aligned_lfw_crops(
         landmarks: ``"file"``: ``landmarks.txt``; ``"detect"``: our MTCNN, exactly as the
             evaluation's detect mode and ``sphereface prepare`` (which aligns the training data)
             place them, through :func:`detected_lfw_landmarks` and its cache in ``cache_dir``.
-            The two sources differ by about 1 px (docs/face_path.md): compare a model on crops
+            The two sources differ by about 1 px (docs/results/face-path.md): compare a model on crops
             from the source it was trained on.
         providers: execution providers of the detector (detect mode; part of the cache key).
 
