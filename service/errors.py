@@ -59,6 +59,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "invalid_request": 422,
     "no_threshold": 422,
     "redis_setup_failed": 500,
+    "serve_running": 409,  # `sphereface serve` only: another serve holds the data folder
     "redis_unavailable": 503,
     "overloaded": 503,
 }

@@ -15,7 +15,6 @@ system-wide) and the server process alone gets it through ``LD_LIBRARY_PATH``.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import fcntl
 import os
 import re
@@ -33,6 +32,7 @@ from typing import Any
 import redis
 
 from service.errors import RedisSetupError
+from service.supervision import set_parent_death_signal
 
 SOCKET_NAME = "redis.sock"
 LOG_NAME = "redis.log"
@@ -90,23 +90,21 @@ def _log_tail(path: Path, lines: int = 15, start: int = 0) -> str:
 def _die_with_parent():
     """A ``preexec_fn`` that has Linux send the child SIGTERM when this process dies, even by
     SIGKILL, so a local redis-server never outlives the service that started it (SIGTERM: Redis
-    fsyncs its append-only file and exits). None elsewhere, or off the main thread (the signal
-    follows the thread that forked, not the process)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+    fsyncs its append-only file and exits). None elsewhere, or on a thread that may end before the
+    child (the signal follows the thread that forked, not the process): only the main thread and
+    threads marked ``outlives_children`` (the Redis watcher of :mod:`service.supervision`) qualify."""
+    thread = threading.current_thread()
+    lasting = thread is threading.main_thread() or getattr(thread, "outlives_children", False)
+    if not sys.platform.startswith("linux") or not lasting:
         return None
     parent = os.getpid()
 
-    def set_parent_death_signal() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    def die_with_parent() -> None:
+        set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != parent:  # the parent died before the line above
             os._exit(1)
 
-    return set_parent_death_signal
-
-
-#: prctl(2) option: the signal a process gets when its parent dies.
-PR_SET_PDEATHSIG = 1
+    return die_with_parent
 
 
 class LocalRedis:
@@ -146,6 +144,9 @@ class LocalRedis:
         self._lock_fd: int | None = None
         self._log_offset = 0
         self._owner_pid = os.getpid()
+        # start, restart, stop and kill one at a time (a watcher thread restarts the server).
+        self._lifecycle = threading.RLock()
+        self._stopped = False
 
     # -- addresses -------------------------------------------------------------------------------
 
@@ -174,6 +175,12 @@ class LocalRedis:
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    @property
+    def stopped(self) -> bool:
+        """True after :meth:`stop` or :meth:`kill` (until the next :meth:`start`): the server is
+        down on purpose, not to be restarted."""
+        return self._stopped
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.is_running() else "stopped"
@@ -248,8 +255,13 @@ class LocalRedis:
 
     def start(self, timeout: float = 15) -> LocalRedis:
         """Start the server and wait until it answers PING; a no-op when it already runs."""
-        if self.is_running():
-            return self
+        with self._lifecycle:
+            if not self.is_running():
+                self._start(timeout)
+                self._stopped = False
+        return self
+
+    def _start(self, timeout: float) -> None:
         binary = self._resolve_binary()
         for module in self.modules:
             if not Path(module).is_file():
@@ -280,7 +292,28 @@ class LocalRedis:
                 self.kill()
             self._release_lock()
             raise
-        return self
+
+    def restart(self, timeout: float = 15) -> bool:
+        """Start the server again, on the same address and data, after it exited on its own; the data
+        folder's lock stays held throughout. False (nothing done) when it was stopped on purpose
+        or already runs; :class:`RedisSetupError` when it does not answer PING within ``timeout``."""
+        with self._lifecycle:
+            if self._stopped or self._process is None or self.is_running():
+                return False
+            self._spawn(self._resolve_binary())
+            try:
+                self._wait_ready(timeout)
+            except BaseException:
+                self._process.kill()
+                self._process.wait()
+                raise
+        return True
+
+    def wait(self) -> int | None:
+        """Block until the server process exits, and reap it; its exit status (negative: the
+        signal that killed it), None when it was never started."""
+        process = self._process
+        return None if process is None else process.wait()
 
     def _spawn(self, binary: str) -> None:
         env = {**os.environ, **self.env}
@@ -337,23 +370,27 @@ class LocalRedis:
 
     def stop(self, timeout: float = 10) -> None:
         """Graceful shutdown: SIGTERM (like SHUTDOWN, it fsyncs the AOF); SIGKILL after ``timeout``."""
-        process = self._process
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._forget()
+        with self._lifecycle:
+            self._stopped = True
+            process = self._process
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            self._forget()
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: only what the AOF already holds survives)."""
-        process = self._process
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait()
-        self._forget()
+        with self._lifecycle:
+            self._stopped = True
+            process = self._process
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+            self._forget()
 
     def __enter__(self) -> LocalRedis:
         return self.start()
