@@ -17,9 +17,10 @@ from models.errors import SphereFaceError
 log = logging.getLogger(__name__)
 
 #: The HTTP status of every error code. The project's own decision: 4xx for what the client can
-#: fix (401/403 keys, 404/409 gallery state, 413 sizes, 415 media types, 422 content), 503 for
-#: what passes with time (Redis, load), 500 for a model or server set up wrongly. A code that is
-#: missing here is answered 500 and logged (tests/test_error_codes.py checks none is missing).
+#: fix (401/403 keys, 404/409 gallery state, 413 sizes, 415 media types, 422 content, 429 a key
+#: over its rate), 503 for what passes with time (Redis, load), 500 for a model or server set up
+#: wrongly. A code that is missing here is answered 500 and logged (tests/test_error_codes.py
+#: checks none is missing).
 HTTP_STATUS_BY_CODE: dict[str, int] = {
     # any domain error, face path included
     "sphereface_error": 400,
@@ -58,6 +59,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "invalid_embedding": 422,
     "invalid_request": 422,
     "no_threshold": 422,
+    "rate_limited": 429,
     "redis_setup_failed": 500,
     "serve_running": 409,  # `sphereface serve` only: another serve holds the data folder
     "redis_unavailable": 503,

@@ -106,6 +106,29 @@ class Settings(BaseSettings):
     )
     auth: Literal["on", "off"] = Field("on", description="off: no API key needed (development only)")
 
+    # -- per-key rate limits (a token bucket per API key in Redis, shared by every worker and pod;
+    # every /v1 request takes one token; beyond it 429 rate_limited with Retry-After; none with
+    # auth off; requests go through while Redis fails) --------------------------------------
+    rate_limit_read: float | None = Field(
+        50.0,
+        gt=0,
+        description="requests per second each key of scope read may make, sustained; `off`: no limit",
+    )
+    rate_limit_read_burst: int | None = Field(
+        None,
+        ge=1,
+        description="requests a read key may make at once (the bucket's size; null: twice the rate)",
+    )
+    rate_limit_admin: float | None = Field(
+        None,
+        gt=0,
+        description="requests per second each admin key (and SPHEREFACE_API_KEY) may make, sustained; "
+        "`off` (the default): no limit",
+    )
+    rate_limit_admin_burst: int | None = Field(
+        None, ge=1, description="requests an admin key may make at once (null: twice the rate)"
+    )
+
     # -- process ----------------------------------------------------------------------------
     workers: int = Field(1, ge=1)
 
@@ -113,6 +136,20 @@ class Settings(BaseSettings):
     @classmethod
     def _model_as_text(cls, value: object) -> object:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator(
+        "rate_limit_read",
+        "rate_limit_read_burst",
+        "rate_limit_admin",
+        "rate_limit_admin_burst",
+        mode="before",
+    )
+    @classmethod
+    def _off_is_none(cls, value: object) -> object:
+        """``off``, ``none``, ``null`` or an empty value: no limit (or the default burst)."""
+        if isinstance(value, str) and value.strip().lower() in ("", "off", "none", "null"):
+            return None
+        return value
 
     @field_validator("api_key", mode="before")
     @classmethod
