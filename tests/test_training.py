@@ -47,6 +47,30 @@ def test_every_shipped_config_loads_and_validates():
         assert {k for k, v in vars(config).items() if v != vars(baseline)[k]} == {"name", "out_dir", *changed}
 
 
+def test_face_and_cifar_configs_share_one_part_and_write_every_field():
+    from dataclasses import fields
+
+    from training.cifar import CifarConfig
+    from training.config import RunConfig, TrainConfig
+
+    shared = {f.name for f in fields(RunConfig)}
+    for cls in (TrainConfig, CifarConfig):
+        names = [f.name for f in fields(cls)]
+        assert sorted(cls.FIELD_ORDER) == sorted(names) and shared <= set(names)
+        assert list(cls().as_dict()) == list(cls.FIELD_ORDER)
+    # the shared fields are checked once, for both kinds of run
+    for cls in (TrainConfig, CifarConfig):
+        with pytest.raises(ConfigError, match="orthogonality_weight must be >= 0"):
+            cls.from_dict({"operator": "sphereconv", "orthogonality_weight": -1.0})
+        with pytest.raises(ConfigError, match="hidden_mhe_projection needs hidden_mhe_weight"):
+            cls.from_dict({"hidden_mhe_projection": "random"})
+    with pytest.raises(ConfigError, match="unknown CIFAR config fields \\['network'\\]"):
+        CifarConfig.from_dict({"network": "sphereface4"})
+    assert load_config(None, ["steps=10"]).to_toml().splitlines()[:2] == [
+        'name = "sphereface20_asoftmax_m4"', 'data = ".cache/data/casia_webface"'
+    ]
+
+
 def test_operator_options_are_checked_when_the_config_loads():
     with pytest.raises(ConfigError, match="unknown operator 'sphere'"):
         load_config(None, ["operator=sphere"])

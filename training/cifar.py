@@ -31,16 +31,16 @@ import json
 import logging
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from training.comhe import hidden_regulariser
-from training.config import ConfigError, parse_override, read_toml
+from training.config import ConfigError, RunConfig, read_toml
 from training.opt import (
     OPTTraining,
     apply_classifier_opt_as_configured,
@@ -60,8 +60,12 @@ LOG_COLUMNS = ("step", "loss", "accuracy", "test_accuracy", "lr", "lambda", "ela
 
 
 @dataclass
-class CifarConfig:
-    """Every setting of a CIFAR-10 run (defaults: SphereNet §4.1 at a CPU's width and length)."""
+class CifarConfig(RunConfig):
+    """Every setting of a CIFAR-10 run (defaults: SphereNet §4.1 at a CPU's width and length).
+
+    The fields the face trainer shares (head, operator, OPT, hidden MHE, optimiser, ...) are
+    :class:`training.config.RunConfig`'s; here are the CIFAR-10 ones and the defaults that differ.
+    """
 
     task: str = "cifar10"
     name: str = "cnn9"
@@ -76,40 +80,17 @@ class CifarConfig:
     embedding_size: int = 256
     batch_norm: bool = True
     relu: bool = True
-    #: As the face trainer's (training.config.TrainConfig): ``conv`` or a hyperspherical operator.
-    operator: str = "conv"
-    operator_options: dict[str, Any] = field(default_factory=dict)
     #: Also make the FC layer a hyperspherical one (SphereNet: FC is SphereConv's special case).
     operator_fc: bool = True
-    orthogonality_weight: float = 0.0
-    #: DCNet's optimiser options, as the face trainer's: projection every N steps, weighted gradients.
-    weight_projection_every: int = 0
-    weighted_gradients: bool = False
-    #: ``softmax``, ``w_softmax``, ``ga_softmax``, ``asoftmax``, ``s_softmax``... (training.losses.HEADS).
     head: str = "softmax"
-    head_options: dict[str, Any] = field(default_factory=dict)
-    #: Lambda annealing of the margin heads: ``max(min, base (1 + gamma i)^-power)``.
-    lambda_base: float = 1000.0
-    lambda_gamma: float = 0.12
-    lambda_power: float = 1.0
-    lambda_min: float = 5.0
     batch_size: int = 128
     steps: int = 64000
     lr: float = 1e-3
+    #: The paper's 34K and 54K of 64K iterations.
     lr_drops: list[float] = field(default_factory=lambda: [34 / 64, 54 / 64])
     weight_decay: float = 0.0
     #: ``adam`` (SphereNet's CIFAR runs) or ``sgd`` with ``momentum`` (the OPT paper's: lr 0.1, 0.9).
     optimizer: str = "adam"
-    momentum: float = 0.9
-    #: As the face trainer's: ``none`` or an OPT method (models.nets.opt), and its options (training.opt).
-    opt: str = "none"
-    opt_options: dict[str, Any] = field(default_factory=dict)
-    #: Hidden-layer MHE (Eq. 5.4) or compressive MHE, as the face trainer's (training.comhe).
-    hidden_mhe_weight: float = 0.0
-    hidden_mhe_half_space: bool = False
-    hidden_mhe_projection: str = "none"
-    hidden_mhe_options: dict[str, Any] = field(default_factory=dict)
-    flip: bool = True
     #: Use only the first N training images of each class (None: all 5,000).
     train_per_class: int | None = None
     log_every: int = 25
@@ -117,58 +98,33 @@ class CifarConfig:
     #: Test images used by the periodic check, a fixed random sample of every class (the final check
     #: uses all 10,000).
     eval_images: int = 2000
-    seed: int = 0
     threads: int = 1
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.out_dir) / self.name
+    FIELD_ORDER: ClassVar[tuple[str, ...]] = (
+        "task", "name", "out_dir", "archive", "cache", "convs_per_stage", "widths", "embedding_size",
+        "batch_norm", "relu", "operator", "operator_options", "operator_fc", "orthogonality_weight",
+        "weight_projection_every", "weighted_gradients", "head", "head_options", "lambda_base",
+        "lambda_gamma", "lambda_power", "lambda_min", "batch_size", "steps", "lr", "lr_drops",
+        "weight_decay", "optimizer", "momentum", "opt", "opt_options", "hidden_mhe_weight",
+        "hidden_mhe_half_space", "hidden_mhe_projection", "hidden_mhe_options", "flip", "train_per_class",
+        "log_every", "eval_every", "eval_images", "seed", "threads",
+    )  # fmt: skip
+    KIND: ClassVar[str] = "CIFAR "
 
-    def validate(self) -> None:
-        from models.nets.hyperspherical import OperatorSpec
-        from training.losses import HEADS
-        from training.opt import opt_settings
-
-        checks = [
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [
             (self.task == "cifar10", "task must be cifar10"),
             (self.convs_per_stage >= 1, "convs_per_stage must be at least 1"),
             (len(self.widths) == 3 and min(self.widths) >= 1, "widths are three positive channel counts"),
-            (self.head in HEADS, f"head must be one of {HEADS}, not {self.head!r}"),
-            (self.batch_size > 0 and self.steps > 0, "batch_size and steps must be positive"),
-            (self.lr > 0, "lr must be positive"),
-            (all(0 < f < 1 for f in self.lr_drops), "lr_drops are fractions of the run in (0, 1)"),
+            *super()._checks(),
             (self.train_per_class is None or 1 <= self.train_per_class <= 5000, "train_per_class is 1..5000"),
             (1 <= self.eval_images <= 10000, "eval_images is 1..10000"),
-            (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
             (self.optimizer in ("adam", "sgd"), "optimizer must be adam or sgd"),
-            (
-                self.opt == "none" or self.operator == "conv",
-                "opt and a hyperspherical operator exclude each other",
-            ),
-            (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
-            (
-                self.operator != "conv"
-                or not (self.orthogonality_weight or self.weight_projection_every or self.weighted_gradients),
-                "orthogonality_weight, weight_projection_every and weighted_gradients need a hyperspherical "
-                "operator (operator = sphereconv, ...)",
-            ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        try:
-            if self.operator != "conv":
-                OperatorSpec.from_options(self.operator, self.operator_options)
-            opt_settings(self.opt, self.opt_options)
-            if self.hidden_mhe_weight > 0:
-                hidden_regulariser(1.0, False, self.hidden_mhe_projection, self.hidden_mhe_options)
-            elif self.hidden_mhe_projection != "none" or self.hidden_mhe_options:
-                raise ValueError("hidden_mhe_projection and hidden_mhe_options need hidden_mhe_weight > 0")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
 
     def lr_factor(self, step: int) -> float:
-        return 0.1 ** sum(step >= max(1, round(f * self.steps)) for f in self.lr_drops)
+        """Multiplier of ``lr`` at ``step``: /10 at each milestone."""
+        return 0.1 ** sum(step >= m for m in self.lr_milestones())
 
 
 def is_cifar_config(path: str | Path | None) -> bool:
@@ -177,22 +133,9 @@ def is_cifar_config(path: str | Path | None) -> bool:
 
 
 def load_cifar_config(path: str | Path, overrides: list[str] | None = None) -> CifarConfig:
-    """A CIFAR config file (with its ``base`` chain) and ``key=value`` overrides."""
-    data = read_toml(Path(path))
-    for text in overrides or []:
-        key, value = parse_override(text)
-        if "." in key:
-            table, sub = key.split(".", 1)
-            data.setdefault(table, {})[sub] = value
-        else:
-            data[key] = value
-    known = {f.name for f in fields(CifarConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown CIFAR config fields {unknown}; known: {sorted(known)}")
-    config = CifarConfig(**data)
-    config.validate()
-    return config
+    """A CIFAR config file (with its ``base`` chain) and ``key=value`` overrides (any table's
+    option as ``table.option=value``)."""
+    return CifarConfig.load(path, overrides)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,7 +397,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"{run_dir} already holds a finished run: choose another name or delete it")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    (run_dir / "config.json").write_text(json.dumps(config.as_dict(), indent=2) + "\n")
     torch.manual_seed(config.seed)
     data = load_cifar10(config.archive, config.cache)
     train_images, train_labels = _training_subset(data, config.train_per_class)
@@ -498,7 +441,7 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
 
         summary["orthogonality_error"] = orthogonality_error(model)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save({"config": asdict(config), "net": model.net.state_dict(), "head": model.head.state_dict()},
+    torch.save({"config": config.as_dict(), "net": model.net.state_dict(), "head": model.head.state_dict()},
                run_dir / "model.pt")  # fmt: skip
     plot_cifar_curves([run_dir], run_dir / "curves.png", config.name)
     log.info(
@@ -515,7 +458,7 @@ def _summary(config: CifarConfig, model: CifarClassifier, rows: list[dict[str, A
              seconds: float) -> dict[str, Any]:  # fmt: skip
     return {
         "name": config.name,
-        "config": asdict(config),
+        "config": config.as_dict(),
         "test_accuracy": final,
         "final_train_loss": rows[-1]["loss"],
         "final_train_accuracy": rows[-1]["accuracy"],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from models.errors import SphereFaceError
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from models.nets.hyperspherical import HypersphericalSettings
     from models.nets.opt import OPTSettings
     from training.augment import AugmentOptions
+    from training.losses import LambdaSchedule
 
 
 class ConfigError(SphereFaceError):
@@ -38,36 +39,38 @@ class ConfigError(SphereFaceError):
     code = "invalid_config"
 
 
+#: Heads whose margin is annealed by lambda (thesis App. A.7): they get a :class:`LambdaSchedule`.
+ANNEALED_HEADS = ("asoftmax", "sphereface_plus", "ga_softmax")
+#: Hidden-layer MHE without projection (``none``) or one of the CoMHE projections (training.comhe).
+HIDDEN_MHE_PROJECTIONS = ("none", "random", "angle", "group")
+
+
 @dataclass
-class TrainConfig:
-    """Every setting of a training run (defaults: the SphereFace-20, m = 4 recipe, SPEC.md §1.8)."""
+class RunConfig:
+    """The settings both training loops read (the face trainer's and the CIFAR-10 runs').
+
+    The defaults are the face trainer's (the SphereFace-20, m = 4 recipe of thesis §2.3.6 "CNNs
+    Setup"); :class:`training.cifar.CifarConfig` declares its own defaults for the fields it runs
+    differently. :meth:`validate` checks these fields; each subclass adds the checks of its own.
+    """
 
     #: Run name; the run folder is ``out_dir/name``.
     name: str = "sphereface20_asoftmax_m4"
-    #: A folder written by ``sphereface prepare``, or a list of them trained as one set
-    #: (identities merged by folder name; training.prepare.load_training_set).
-    data: str | list[str] = ".cache/data/casia_webface"
-    #: Leave out identities with fewer aligned faces than this (over all ``data`` folders).
-    min_photos_per_identity: int = 1
     out_dir: str = "runs"
-    #: ``sphereface4|10|20|36|64`` or ``mobilefacenet`` (models.nets.NETWORKS).
-    network: str = "sphereface20"
     #: FC1 size; None: the network's default (512 for SphereFace, 128 for MobileFaceNet).
     embedding_size: int | None = None
-    #: ``softmax|modified_softmax|asoftmax|sphereface_plus|cosface|arcface`` (training.losses.HEADS).
+    #: ``softmax|modified_softmax|asoftmax|sphereface_plus|cosface|arcface`` or SphereNet's
+    #: ``w_softmax|ga_softmax|s_softmax`` (training.losses.HEADS).
     head: str = "asoftmax"
     #: Passed to the head, e.g. ``{ m = 4 }``, ``{ m = 4, mhe_weight = 1.0 }``, ``{ scale = 30 }``.
     head_options: dict[str, Any] = field(default_factory=dict)
     #: A-Softmax annealing ``lambda = max(min, base * (1 + gamma * i) ** -power)`` with Caffe's
-    #: iteration ``i = step + 1`` (SPEC.md §1.4): 892.9 at the first step, 5 from step 1658 on,
+    #: iteration ``i = step + 1`` (thesis App. A.7): 892.9 at the first step, 5 from step 1658 on,
     #: whatever the run's length (the authors' schedule is per iteration, not per run).
     lambda_base: float = 1000.0
     lambda_gamma: float = 0.12
     lambda_power: float = 1.0
     lambda_min: float = 5.0
-    #: When set: gamma is chosen so lambda reaches its floor after this many epochs (an
-    #: experiment option; the papers' runs leave it unset).
-    lambda_floor_epochs: float | None = None
     #: ``conv`` (the network as defined) or a hyperspherical operator in place of every convolution
     #: (models.nets.hyperspherical.OPERATORS: ``sphereconv``, ``ballconv``, ``tanhconv``,
     #: ``linearconv``, ``segconv``, ``logconv``, ``mixconv``; SphereNet and DCNet).
@@ -97,24 +100,174 @@ class TrainConfig:
     #: and its options, e.g. ``{ dim = 30, projections = 5 }`` or ``{ unrolled = true }``.
     hidden_mhe_projection: str = "none"
     hidden_mhe_options: dict[str, Any] = field(default_factory=dict)
-    #: Global batch size (split evenly over the torchrun processes).
+    #: Global batch size (the face trainer splits it evenly over the torchrun processes).
     batch_size: int = 256
     steps: int = 28000
     lr: float = 0.1
     #: Learning-rate drops (x0.1) as fractions of ``steps``: the papers' 16K and 24K of 28K.
     lr_drops: list[float] = field(default_factory=lambda: [16 / 28, 24 / 28])
-    #: Linear warm-up steps from lr/10 (0: none, as the papers).
-    warmup_steps: int = 0
     momentum: float = 0.9
     weight_decay: float = 5e-4
     #: Horizontal flip of training images with probability 0.5 (the papers' only augmentation).
     flip: bool = True
+    #: Steps per line of ``log.csv``.
+    log_every: int = 20
+    seed: int = 0
+    #: Threads for CPU training (0: torch's default).
+    threads: int = 0
+
+    #: The order of the fields in the files a run writes (``config.toml``, ``config.json``, the
+    #: checkpoint's config): each subclass lists all of its fields, so the files of every run of a
+    #: kind list them alike (compared line by line between runs).
+    FIELD_ORDER: ClassVar[tuple[str, ...]] = ()
+    #: ``table.option=value`` overrides reach into these table fields (None: into any table field).
+    OVERRIDE_TABLES: ClassVar[tuple[str, ...] | None] = None
+    #: Fields that existed once, with what to do instead (an old config gets this, not a bare error).
+    REMOVED_FIELDS: ClassVar[dict[str, str]] = {}
+    #: How the error on unknown fields names this kind of config (``"CIFAR "`` or ``""``).
+    KIND: ClassVar[str] = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The checked config of ``data`` (field name -> value; missing fields take the defaults)."""
+        known = {f.name for f in fields(cls)}
+        for name, message in cls.REMOVED_FIELDS.items():
+            if name in data:
+                raise ConfigError(message)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown {cls.KIND}config fields {unknown}; known: {sorted(known)}")
+        config = cls(**data)
+        config.validate()
+        return config
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> Self:
+        """Read a config file (with its ``base`` chain; None: the defaults) and apply ``key=value``
+        overrides (:func:`apply_overrides` into :attr:`OVERRIDE_TABLES`)."""
+        data = read_toml(Path(path)) if path is not None else {}
+        return cls.from_dict(apply_overrides(data, overrides, cls.OVERRIDE_TABLES))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def lr_milestones(self) -> list[int]:
+        """Steps at which the learning rate is divided by 10."""
+        return [max(1, round(f * self.steps)) for f in self.lr_drops]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field (tables and lists copied), in :attr:`FIELD_ORDER`."""
+        values = asdict(self)
+        return {name: values[name] for name in self.FIELD_ORDER}
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field that is out of range or inconsistent."""
+        for ok, message in self._checks():
+            if not ok:
+                raise ConfigError(message)
+        try:
+            self._check_options()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        """(condition, message) of every shared field; subclasses add theirs."""
+        from training.losses import HEADS
+
+        return [
+            (self.head in HEADS, f"head must be one of {HEADS}, not {self.head!r}"),
+            (self.batch_size > 0, "batch_size must be positive"),
+            (self.steps > 0, "steps must be positive"),
+            (self.log_every > 0, "log_every must be positive"),
+            (self.lr > 0, "lr must be positive"),
+            (all(0 < f < 1 for f in self.lr_drops), "lr_drops are fractions of the run in (0, 1)"),
+            (0 <= self.lambda_min <= self.lambda_base, "need lambda_base >= lambda_min >= 0"),
+            (self.orthogonality_weight >= 0, "orthogonality_weight must be >= 0"),
+            (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
+            (
+                self.operator != "conv" or not any(self._operator_only_settings()),
+                "the operator options and optimiser options need operator = sphereconv (or another "
+                "hyperspherical operator), not conv",
+            ),
+            (
+                self.opt == "none" or self.operator == "conv",
+                "opt and a hyperspherical operator exclude each other",
+            ),
+            (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
+            (
+                self.hidden_mhe_projection in HIDDEN_MHE_PROJECTIONS,
+                "hidden_mhe_projection must be none, random, angle or group",
+            ),
+            (
+                self.hidden_mhe_projection == "none" or self.hidden_mhe_weight > 0,
+                "hidden_mhe_projection needs hidden_mhe_weight > 0",
+            ),
+            (
+                self.hidden_mhe_projection != "none" or not self.hidden_mhe_options,
+                "hidden_mhe_options need hidden_mhe_projection = random, angle or group",
+            ),
+        ]
+
+    def _operator_only_settings(self) -> tuple[Any, ...]:
+        """Settings that mean something only with a hyperspherical operator."""
+        return (self.orthogonality_weight, self.weight_projection_every, self.weighted_gradients)
+
+    def _check_options(self) -> None:
+        """Parse the option tables (ValueError names the bad option)."""
+        from training.comhe import CoMHEOptions
+
+        self.operator_settings()
+        self.opt_settings()
+        CoMHEOptions.from_options(self.hidden_mhe_options)
+
+    def operator_settings(self) -> HypersphericalSettings:
+        """The network's operator choice (checked: unknown operators and options raise ValueError)."""
+        from models.nets.hyperspherical import HypersphericalSettings, OperatorSpec
+
+        if self.operator != "conv":
+            OperatorSpec.from_options(self.operator, self.operator_options)
+        return HypersphericalSettings(self.operator, dict(self.operator_options), self.operator_fc)
+
+    def opt_settings(self) -> OPTSettings:
+        """The network's OPT choice (checked: unknown methods and options raise ValueError)."""
+        from training.opt import opt_settings
+
+        return opt_settings(self.opt, self.opt_options)
+
+    def lambda_schedule(self) -> LambdaSchedule | None:
+        """The margin's annealing for the heads of :data:`ANNEALED_HEADS` (None for the others)."""
+        from training.losses import LambdaSchedule
+
+        if self.head not in ANNEALED_HEADS:
+            return None
+        return LambdaSchedule(
+            base=self.lambda_base, gamma=self.lambda_gamma, power=self.lambda_power, minimum=self.lambda_min
+        )
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Every setting of a face training run (defaults: the SphereFace-20, m = 4 recipe, thesis
+    §2.3.6 "CNNs Setup"); the fields both loops share are :class:`RunConfig`'s."""
+
+    #: A folder written by ``sphereface prepare``, or a list of them trained as one set
+    #: (identities merged by folder name; training.prepare.load_training_set).
+    data: str | list[str] = ".cache/data/casia_webface"
+    #: Leave out identities with fewer aligned faces than this (over all ``data`` folders).
+    min_photos_per_identity: int = 1
+    #: ``sphereface4|10|20|36|64`` or ``mobilefacenet`` (models.nets.NETWORKS).
+    network: str = "sphereface20"
+    #: When set: gamma is chosen so lambda reaches its floor after this many epochs (an
+    #: experiment option; the papers' runs leave it unset).
+    lambda_floor_epochs: float | None = None
+    #: Linear warm-up steps from lr/10 (0: none, as the papers).
+    warmup_steps: int = 0
     #: More augmentation (training.augment; every option off when absent), e.g.
     #: ``{ shift = 0.04, scale = 0.05, rotate = 5, brightness = 0.2, grayscale = 0.1, erase = 0.2 }``.
     augment: dict[str, Any] = field(default_factory=dict)
     #: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
     precision: str = "auto"
-    seed: int = 0
     #: ``auto``, ``device`` (whole uint8 dataset in device memory) or ``stream`` (shards via pinned memory).
     loader: str = "auto"
     #: ``auto`` (cuda when available), ``cpu``, ``cuda``.
@@ -128,7 +281,6 @@ class TrainConfig:
     lfw_every: int = 2000
     #: Pairs per fold for the periodic check (None: all 600); the final check always uses all.
     lfw_pairs_per_fold: int | None = None
-    log_every: int = 20
     #: Stop with a clear error when the mean feature norm ||x|| of a log interval falls below this
     #: fraction of the first interval's (the collapse of docs/training.md §6: loss -> ln C,
     #: accuracy -> 0); 0 turns the check off.
@@ -138,105 +290,64 @@ class TrainConfig:
     #: Start from this checkpoint's network (and head, when the class count matches): fine-tuning,
     #: e.g. SphereFace+ from a trained SphereFace model as the papers do.
     init_from: str | None = None
-    #: Threads for CPU training (0: torch's default).
-    threads: int = 0
     #: A teacher model (a name of `sphereface models` or a folder) whose pairwise cosines the
     #: network learns to reproduce (training.distill), with this weight; 0 turns it off.
     distill_from: str | None = None
     distill_weight: float = 0.0
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.out_dir) / self.name
+    FIELD_ORDER: ClassVar[tuple[str, ...]] = (
+        "name", "data", "min_photos_per_identity", "out_dir", "network", "embedding_size", "head",
+        "head_options", "lambda_base", "lambda_gamma", "lambda_power", "lambda_min", "lambda_floor_epochs",
+        "operator", "operator_options", "operator_fc", "orthogonality_weight", "weight_projection_every",
+        "weighted_gradients", "opt", "opt_options", "hidden_mhe_weight", "hidden_mhe_half_space",
+        "hidden_mhe_projection", "hidden_mhe_options", "batch_size", "steps", "lr", "lr_drops",
+        "warmup_steps", "momentum", "weight_decay", "flip", "augment", "precision", "seed", "loader",
+        "device", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold", "log_every",
+        "feature_norm_collapse", "checkpoint_every", "init_from", "threads", "distill_from", "distill_weight",
+    )  # fmt: skip
+    OVERRIDE_TABLES: ClassVar[tuple[str, ...] | None] = ("head_options", "augment")
+    REMOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "lambda_scale_to_run": (
+            "lambda_scale_to_run was removed: squeezing the lambda schedule into a short run dropped "
+            "lambda to its floor within a few steps and collapsed the features (docs/training.md §6). "
+            "The schedule now follows the authors' iterations; delete the line (or set "
+            "lambda_floor_epochs for a different warm phase)"
+        ),
+    }
 
     @property
     def data_paths(self) -> list[str]:
         """``data`` as a list of prepared folders."""
         return [self.data] if isinstance(self.data, str) else list(self.data)
 
-    def lr_milestones(self) -> list[int]:
-        """Steps at which the learning rate is divided by 10."""
-        return [max(1, round(f * self.steps)) for f in self.lr_drops]
-
-    def validate(self) -> None:
+    def _checks(self) -> list[tuple[bool, str]]:
         from models.nets import NETWORKS
-        from training.losses import HEADS
 
-        checks = [
+        return [
             (self.network in NETWORKS, f"network must be one of {NETWORKS}, not {self.network!r}"),
-            (self.head in HEADS, f"head must be one of {HEADS}, not {self.head!r}"),
-            (self.batch_size > 0, "batch_size must be positive"),
-            (self.steps > 0, "steps must be positive"),
-            (self.log_every > 0, "log_every must be positive"),
+            *super()._checks(),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: only at the end)"),
             (self.lfw_every >= 0, "lfw_every must be >= 0 (0: only at the end)"),
-            (self.lr > 0, "lr must be positive"),
             (self.precision in ("auto", "bf16", "fp32"), "precision must be auto, bf16 or fp32"),
             (self.loader in ("auto", "device", "stream"), "loader must be auto, device or stream"),
             (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
-            (all(0 < f < 1 for f in self.lr_drops), "lr_drops are fractions of the run in (0, 1)"),
-            (0 <= self.lambda_min <= self.lambda_base, "need lambda_base >= lambda_min >= 0"),
             (self.min_photos_per_identity >= 1, "min_photos_per_identity must be at least 1"),
             (self.lfw_landmarks in ("detect", "file"), "lfw_landmarks must be detect or file"),
             (0 <= self.feature_norm_collapse < 1, "feature_norm_collapse is a fraction in [0, 1)"),
             (bool(self.data_paths), "data needs at least one prepared folder"),
-            (self.orthogonality_weight >= 0, "orthogonality_weight must be >= 0"),
-            (self.weight_projection_every >= 0, "weight_projection_every must be >= 0"),
-            (
-                self.operator != "conv"
-                or not (
-                    self.orthogonality_weight
-                    or self.weight_projection_every
-                    or self.weighted_gradients
-                    or self.operator_options
-                    or self.operator_fc
-                ),
-                "the operator options and optimiser options need operator = sphereconv (or another "
-                "hyperspherical operator), not conv",
-            ),
-            (
-                self.opt == "none" or self.operator == "conv",
-                "opt and a hyperspherical operator exclude each other",
-            ),
-            (self.opt != "none" or not self.opt_options, "opt_options need opt = gs (or another OPT method)"),
-            (
-                self.hidden_mhe_projection in ("none", "random", "angle", "group"),
-                "hidden_mhe_projection must be none, random, angle or group",
-            ),
-            (
-                self.hidden_mhe_projection == "none" or self.hidden_mhe_weight > 0,
-                "hidden_mhe_projection needs hidden_mhe_weight > 0",
-            ),
             (self.distill_weight >= 0, "distill_weight must be >= 0"),
             (
                 (self.distill_weight > 0) == bool(self.distill_from),
                 "distillation needs both distill_from (a teacher model) and distill_weight > 0",
             ),
-            (
-                self.hidden_mhe_projection != "none" or not self.hidden_mhe_options,
-                "hidden_mhe_options need hidden_mhe_projection = random, angle or group",
-            ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        try:
-            self.operator_settings()
-            self.opt_settings()
-            from training.comhe import CoMHEOptions
 
-            CoMHEOptions.from_options(self.hidden_mhe_options)
-            self.augment_options()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    def _operator_only_settings(self) -> tuple[Any, ...]:
+        return (*super()._operator_only_settings(), self.operator_options, self.operator_fc)
 
-    def operator_settings(self) -> HypersphericalSettings:
-        """The network's operator choice (checked: unknown operators and options raise ValueError)."""
-        from models.nets.hyperspherical import HypersphericalSettings, OperatorSpec
-
-        if self.operator != "conv":
-            OperatorSpec.from_options(self.operator, self.operator_options)
-        return HypersphericalSettings(self.operator, dict(self.operator_options), self.operator_fc)
+    def _check_options(self) -> None:
+        super()._check_options()
+        self.augment_options()
 
     def augment_options(self) -> AugmentOptions:
         """The checked ``augment`` table (unknown or out-of-range options raise ValueError)."""
@@ -244,16 +355,10 @@ class TrainConfig:
 
         return AugmentOptions.from_options(self.augment)
 
-    def opt_settings(self) -> OPTSettings:
-        """The network's OPT choice (checked: unknown methods and options raise ValueError)."""
-        from training.opt import opt_settings
-
-        return opt_settings(self.opt, self.opt_options)
-
     def to_toml(self) -> str:
         """The resolved config as TOML (None values are left out: they mean the default)."""
         lines = []
-        for key, value in asdict(self).items():
+        for key, value in self.as_dict().items():
             if value is None:
                 continue
             lines.append(f"{key} = {_toml_value(value)}")
@@ -305,38 +410,24 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-#: Fields that existed once, with what to do instead (an old config gets this, not a bare error).
-REMOVED_FIELDS = {
-    "lambda_scale_to_run": (
-        "lambda_scale_to_run was removed: squeezing the lambda schedule into a short run dropped "
-        "lambda to its floor within a few steps and collapsed the features (docs/training.md §6). "
-        "The schedule now follows the authors' iterations; delete the line (or set "
-        "lambda_floor_epochs for a different warm phase)"
-    ),
-}
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str] | None, tables: tuple[str, ...] | None
+) -> dict[str, Any]:
+    """``key=value`` overrides applied to ``data`` (in place; returned).
 
-
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    known = {f.name for f in fields(TrainConfig)}
-    for name, message in REMOVED_FIELDS.items():
-        if name in data:
-            raise ConfigError(message)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown config fields {unknown}; known: {sorted(known)}")
-    config = TrainConfig(**data)
-    config.validate()
-    return config
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a config file (with its ``base`` chain) and apply ``key=value`` overrides."""
-    data = read_toml(Path(path)) if path is not None else {}
+    ``table.option=value`` sets one option of a table field when ``table`` is in ``tables``
+    (``None``: any table); other keys replace the field as a whole.
+    """
     for text in overrides or []:
         key, value = parse_override(text)
         table, dot, option = key.partition(".")
-        if dot and table in ("head_options", "augment"):
+        if dot and (tables is None or table in tables):
             data.setdefault(table, {})[option] = value
         else:
             data[key] = value
-    return config_from_dict(data)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a face config file (with its ``base`` chain) and apply ``key=value`` overrides."""
+    return TrainConfig.load(path, overrides)
