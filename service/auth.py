@@ -12,7 +12,9 @@ also change the gallery. Besides the stored keys, the admin key of the settings
 (``SPHEREFACE_API_KEY``) is accepted as an admin key.
 
 Routes ask for a scope with ``Depends(require_read)`` or ``Depends(require_admin)``; the key is
-read from the header ``X-API-Key``.
+read from the header ``X-API-Key``. :class:`AuthGate` also takes one token from the key's rate
+limit bucket (:mod:`service.rate_limit`) for every ``/v1`` request; with ``auth`` off there are
+no keys and no limits.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from service.errors import (
     error_response,
     redis_unavailable,
 )
+from service.rate_limit import RateLimiter
 
 Scope = Literal["read", "admin"]
 
@@ -230,12 +233,28 @@ def request_principal(state, presented: str | None) -> Principal:
     )
 
 
+def admit(state, presented: str | None) -> Principal:
+    """:func:`request_principal`, then one token from the key's bucket of its scope's rate limit
+    (raises :class:`~service.rate_limit.RateLimitedError` when it is empty). Nothing is limited
+    with ``auth`` off. Both steps may wait on Redis: the gate runs this in a worker thread."""
+    principal = request_principal(state, presented)
+    if state.settings.auth == "off":
+        return principal
+    limiter = getattr(state, "rate_limiter", None)
+    if limiter is None:
+        limiter = state.rate_limiter = RateLimiter.from_settings(state.settings)
+    limiter.check(getattr(state, "redis", None), principal.key_id, principal.scope)
+    return principal
+
+
 class AuthGate:
     """Authenticate every ``/v1`` request before anything reads its body (ASGI middleware).
 
     FastAPI reads and parses a route's body before it runs the route's dependencies, so without
     this gate a request with no key or a wrong one could make the service read (and parse) up to
     the body limit before being told 401. The routes' dependencies then only check the scope.
+    A key over its rate limit is answered 429 ``rate_limited`` with ``Retry-After``, also before
+    its body is read. The Redis calls run in a worker thread, never on the event loop.
     """
 
     def __init__(self, app) -> None:
@@ -250,9 +269,9 @@ class AuthGate:
                 presented = value.decode("latin-1")
                 break
         try:
-            principal = await run_in_threadpool(request_principal, scope["app"].state, presented)
-        except ServiceError as exc:
-            return await error_response(exc)(scope, receive, send)
+            principal = await run_in_threadpool(admit, scope["app"].state, presented)
+        except ServiceError as exc:  # a rate-limited key's answer carries Retry-After
+            return await error_response(exc, headers=getattr(exc, "headers", None))(scope, receive, send)
         scope.setdefault("state", {})["principal"] = principal
         return await self.app(scope, receive, send)
 

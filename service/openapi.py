@@ -4,8 +4,8 @@ FastAPI's generated document is completed once, on first request, with what the 
 declare themselves:
 
 * every `/v1` operation documents the answers every keyed route can give: 401 (the key is
-  checked before anything else), 413 when it takes a body, 422, and 503 (Redis, or
-  ``overloaded`` for the face path);
+  checked before anything else), 413 when it takes a body, 422, 429 (the key's rate limit, with
+  ``Retry-After``) and 503 (Redis, or ``overloaded`` for the face path);
 * the embeddings in JSON bodies have exactly the served model's size;
 * multipart photo arrays take at least one photo and at most the service's limit.
 """
@@ -26,6 +26,7 @@ ERROR_WORDS = {
     403: "The key's scope does not allow this (insufficient_scope)",
     413: "The request is too large (request_too_large, image_too_large, too_many_photos)",
     422: "The request could not be read or is not valid (invalid_request, and the face-path codes)",
+    429: "The key made more requests than its scope's rate limit allows (rate_limited, with Retry-After)",
     503: "Redis does not answer (redis_unavailable), or the face path is full (overloaded, with Retry-After)",
 }
 METHODS = ("get", "post", "put", "patch", "delete")
@@ -37,11 +38,18 @@ def _error(status: int) -> dict[str, Any]:
 
 def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
-    needed = [401, 403, 422, 503]
+    needed = [401, 403, 422, 429, 503]
     if "requestBody" in operation or method in ("post", "patch", "put"):
         needed.append(413)
     for status in needed:
         responses.setdefault(str(status), _error(status))
+    responses["429"]["headers"] = {
+        "Retry-After": {
+            "description": "whole seconds until the key may send its next request",
+            "required": True,
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    }
     if method == "post" and FACE_PATHS.match(path.replace("{subject_id}", "x")):
         responses["503"]["headers"] = {
             "Retry-After": {"description": "seconds to wait when overloaded", "schema": {"type": "integer"}}
