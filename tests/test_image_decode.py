@@ -2,6 +2,7 @@
 
 import io
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 from PIL import Image
 
 from models.errors import ImageTooLargeError, UnreadableImageError
-from models.image import decode_image, read_image
+from models.image import decode_image, decode_photo, image_size, read_image
+from models.image_bytes import jpeg_frame
 
 
 def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
@@ -129,3 +131,124 @@ def test_size_messages_quote_the_service_limit():
 
 def _png_chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+# -- decoding cost ---------------------------------------------------------------------------------
+
+
+def jpeg_bomb(side: int = 6000, keep: int = 2187) -> bytes:
+    """A JPEG whose header claims ``side`` x ``side`` but whose data stops after ``keep`` bytes,
+    closed by an end-of-image marker (libjpeg fills the missing blocks with grey): 2,189 bytes."""
+    data = _encode(Image.new("RGB", (side, side), (128, 128, 128)), "JPEG", quality=1)
+    return data[:keep] + b"\xff\xd9"
+
+
+def test_a_jpeg_bomb_is_refused_before_its_pixels_are_decoded():
+    """Before: the 2,189-byte JPEG claiming 6000x6000 decoded to 108 MB of grey (about 0.4 s of CPU
+    here, 1.5 s with detection, 500 MB peak) and the photo was answered no_face. Now its header is
+    weighed against its data first: a sequential JPEG codes at least 2 bits per 8x8 block."""
+    bomb = jpeg_bomb()
+    assert len(bomb) == 2189
+    started = time.process_time()
+    with pytest.raises(UnreadableImageError, match="cut short") as caught:
+        decode_image(bomb)
+    cpu = time.process_time() - started
+    assert "6000x6000" in caught.value.message and "2,189 bytes" in caught.value.message
+    assert cpu < 0.2, f"{cpu:.3f} s of CPU"  # about 1 ms; the whole decode took 0.4 s
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_the_least_jpeg_data_bound_holds_for_the_flattest_complete_jpegs(mode, progressive):
+    """A flat image with optimised Huffman tables is the smallest a complete JPEG can be (1-bit
+    codes): it still decodes, so the bound refuses only data that cannot be a whole image."""
+    flat = Image.new(mode, (1001, 777), 128 if mode == "L" else (128, 128, 128))
+    data = _encode(flat, "JPEG", quality=1, optimize=True, progressive=progressive)
+    assert jpeg_frame(data).least_bytes() <= len(data)
+    assert decode_image(data).shape == (777, 1001, 3)
+    with pytest.raises(UnreadableImageError, match="cut short"):
+        decode_image(data[: jpeg_frame(data).least_bytes() // 2] + b"\xff\xd9")
+
+
+def test_more_pixels_than_the_bytes_pay_for_is_image_too_large():
+    """Before: a 4,000 x 4,000 PNG of 2 KB (one bit per pixel, all zero) was decoded, 16 MP at
+    8,000 pixels per byte. Beyond 4 MP an image now pays at least a byte per 100 pixels."""
+    raw = zlib.compress(b"".join(b"\0" + bytes(500) for _ in range(4000)), 9)
+    ihdr = struct.pack(">2I5B", 4000, 4000, 1, 0, 0, 0, 0)
+    chunks = _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", raw) + _png_chunk(b"IEND", b"")
+    png = b"\x89PNG\r\n\x1a\n" + chunks
+    with pytest.raises(ImageTooLargeError, match="pixels per byte"):
+        decode_image(png)
+    small = Image.new("1", (1500, 1500))  # 2.25 MP: under the free size, decoded whatever its bytes
+    assert decode_image(_encode(small, "PNG")).shape == (1500, 1500, 3)
+
+
+def tiff_with_entries(count: int) -> bytes:
+    """A little-endian TIFF whose first directory has ``count`` SHORT entries, tags 0, 1, 2, ..."""
+    entries = b"".join(struct.pack("<HHII", tag, 3, 1, 1) for tag in range(count))
+    return b"II*\x00" + struct.pack("<IH", 8, count) + entries + b"\0\0\0\0"
+
+
+def test_decoder_errors_name_the_real_problem():
+    """Before: a TIFF of 65,535 directory entries (one of them JPEG XR's tag 0xBC01) was answered
+    "Windows Media Photo files not yet supported"; now the message says what the bytes are and
+    what is wrong with them."""
+    with pytest.raises(UnreadableImageError) as caught:
+        decode_image(tiff_with_entries(65535))
+    message = caught.value.message
+    assert "TIFF" in message and "65,535 entries" in message and "corrupt" in message
+    with pytest.raises(UnreadableImageError) as caught:
+        decode_image(tiff_with_entries(65535)[:2000])
+    assert "claims 65,535 entries" in caught.value.message
+    with pytest.raises(UnreadableImageError, match="no known image signature"):
+        decode_image(b"not an image at all")
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_reduced_decode_maps_back_to_the_full_photo(orientation):
+    """A JPEG decoded at 1/4 (DCT scaling): a bright square found in it maps back onto the full
+    decode's square for every EXIF orientation and an odd size (partial last blocks)."""
+    upright = np.zeros((131, 203, 3), np.uint8)
+    upright[40:52, 150:162] = 255  # its centre is (155.5, 45.5)
+    undo = {
+        1: None,
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_90,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_270,
+    }[orientation]
+    stored = Image.fromarray(upright)
+    stored = stored.transpose(undo) if undo is not None else stored
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = _encode(stored, "JPEG", quality=100, subsampling=0, exif=exif.tobytes())
+    full, reduced = decode_photo(data), decode_photo(data, min_side=50)
+    assert full.reduction == 1 and reduced.reduction == 4
+    assert reduced.full_size == (203, 131) and reduced.image.shape == (33, 51, 3)
+    found = reduced.to_full(_bright_centre(reduced.image))
+    assert np.abs(found - _bright_centre(full.image)).max() < 0.1, found
+    assert np.abs(reduced.from_full(found) - _bright_centre(reduced.image)).max() < 1e-9
+    box = np.array([10.0, 3.0, 20.0, 7.0])
+    assert np.allclose(reduced.box_from_full(reduced.box_to_full(box)), box)
+
+
+def _bright_centre(image: np.ndarray) -> np.ndarray:
+    weight = image.astype(np.float64).mean(axis=2)
+    ys, xs = np.mgrid[0 : weight.shape[0], 0 : weight.shape[1]]
+    return np.array([(xs * weight).sum(), (ys * weight).sum()]) / weight.sum()
+
+
+def test_a_large_jpeg_is_decoded_at_the_scale_asked_for():
+    data = _encode(Image.new("RGB", (4001, 3000), (30, 60, 90)), "JPEG")
+    assert decode_photo(data).image.shape == (3000, 4001, 3)
+    half = decode_photo(data, min_side=1024)
+    assert half.reduction == 2 and half.image.shape == (1500, 2001, 3)
+    assert image_size(io.BytesIO(data), 1024) == (2001, 1500)
+    assert image_size(io.BytesIO(data)) == (4001, 3000)
+    assert decode_photo(data, min_side=2500).reduction == 1  # 1/2 would leave 2,001 pixels
+    assert half.finer(1).image.shape == (3000, 4001, 3)
+    png = _encode(Image.new("RGB", (4001, 30)), "PNG")
+    assert decode_photo(png, min_side=100).reduction == 1  # only JPEG has DCT scaling
