@@ -116,3 +116,21 @@ def test_write_calibration_sets_both_roles_and_records_the_set(tmp_path):
     report["fars"].pop("1e-04")
     with pytest.raises(Exception, match="FAR 0.0001 was not calibrated"):
         write_calibration(tmp_path, report)
+
+
+def test_calibrate_without_lfw_reads_the_shared_lfw_folder_beside_the_repository(monkeypatch, tmp_path):
+    """``sphereface calibrate`` with no ``--lfw`` calibrates on ``../shared/data/lfw``."""
+    from models.cli import main
+    from tests.conftest import REPO_ROOT
+    from training.evaluation import calibration, commands
+
+    assert commands.DEFAULT_LFW_DIR == REPO_ROOT.parent / "shared" / "data" / "lfw"
+    seen = {}
+
+    def fake_run(model_dir, lfw_dir, **options):
+        seen["lfw"] = lfw_dir
+        raise calibration.LFWDataError("stop here")
+
+    monkeypatch.setattr(calibration, "run_calibration", fake_run)
+    assert main(["calibrate", "--model", str(tmp_path), "--no-write"]) == 2
+    assert seen["lfw"] == REPO_ROOT.parent / "shared" / "data" / "lfw"
