@@ -89,8 +89,8 @@ def workers_started(service: Service) -> int:
 
 
 def test_sigkill_of_serve_leaves_no_worker_and_a_restart_works_at_once(default_model_dir, workdir):
-    """Before: both workers stayed with parent PID 1, kept the port, and the restart failed with
-    `Address already in use`."""
+    """Workers left without their serve would keep the port (a restart fails with `Address
+    already in use`) and answer 503 for want of their Redis."""
     data = workdir / "data"
     service = Service(default_model_dir, data, options=["--workers", "2"])
     family: set[int] = set()
@@ -115,7 +115,7 @@ def test_sigkill_of_serve_leaves_no_worker_and_a_restart_works_at_once(default_m
 
 
 def test_a_second_serve_on_a_running_data_dir_stops_at_once_naming_the_first(default_model_dir, workdir):
-    """Before: the second serve shared the first one's Redis (and wiped its metrics folder)."""
+    """A second serve would share the first one's Redis (and wipe its metrics folder)."""
     data = workdir / "data"
     first = Service(default_model_dir, data)
     try:
@@ -151,8 +151,8 @@ def test_a_second_serve_on_a_running_data_dir_stops_at_once_naming_the_first(def
 
 
 def test_a_killed_local_redis_server_is_restarted_and_reaped(default_model_dir, workdir):
-    """Before: keyed routes and /readyz answered 503 until serve was restarted, and the dead
-    redis-server stayed a zombie child of serve."""
+    """Without a restart, keyed routes and /readyz answer 503 until serve is restarted; without a
+    wait, the dead redis-server stays a zombie child of serve."""
     data = workdir / "data"
     service = Service(default_model_dir, data)
     try:
