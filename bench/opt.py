@@ -63,9 +63,9 @@ def _variant(config_name: str, overrides: list[str]) -> tuple[Any, ...]:
 def _step_seconds(variant: tuple[Any, ...], step: int, x: torch.Tensor, y: torch.Tensor) -> float:
     from training.cifar import optimiser_step
 
-    config, model, optimiser, opt, hidden_mhe = variant
+    _, model, optimiser, hooks = variant
     start = time.perf_counter()
-    optimiser_step(model, optimiser, config, step, x, y, opt, hidden_mhe)
+    optimiser_step(model, optimiser, step, x, y, hooks)
     return time.perf_counter() - start
 
 

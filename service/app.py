@@ -29,6 +29,7 @@ from service.errors import (
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
+from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
 from service.routes import faces, gallery, health, identify
@@ -166,6 +167,7 @@ def make_lifespan(settings: Settings, pipeline: FacePipeline | None):
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        limit_malloc_arenas()  # before the model's threads allocate (service.memory)
         app.state.pipeline = pipeline or load_pipeline(settings)
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)

@@ -74,7 +74,7 @@ def _train(
             loss = loss + penalty
         optimizer.zero_grad()
         loss.backward()
-        opt.after_backward(lr)
+        opt.after_backward(optimizer)
         optimizer.step()
         opt.after_step(optimizer, step)
 
@@ -319,7 +319,7 @@ def test_cls_opt_learns_the_classifier_as_r_v_and_keeps_its_energy(method):
         loss = head(x, y, step=step).loss
         optimizer.zero_grad()
         loss.backward()
-        training.after_backward(0.5)
+        training.after_backward(optimizer)
         optimizer.step()
         head.renormalise_()  # the trainer's call: harmless under CLS-OPT
     assert (head.weight.detach() - weight).abs().max() > 1e-3

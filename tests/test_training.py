@@ -67,7 +67,8 @@ def test_face_and_cifar_configs_share_one_part_and_write_every_field():
     with pytest.raises(ConfigError, match="unknown CIFAR config fields \\['network'\\]"):
         CifarConfig.from_dict({"network": "sphereface4"})
     assert load_config(None, ["steps=10"]).to_toml().splitlines()[:2] == [
-        'name = "sphereface20_asoftmax_m4"', 'data = ".cache/data/casia_webface"'
+        'name = "sphereface20_asoftmax_m4"',
+        'data = ".cache/data/casia_webface"',
     ]
 
 
@@ -408,7 +409,8 @@ def test_fine_tuning_starts_from_another_runs_network_and_classifier(tiny_prepar
 
 @pytest.mark.shared_data
 def test_a_run_whose_features_collapse_stops_with_a_clear_message(tiny_prepared, tmp_path):
-    from training.trainer import FeatureCollapseError, train
+    from training.health import FeatureCollapseError
+    from training.trainer import train
 
     # Weight decay 5 at lr 0.1 without momentum halves every decayed weight per step, so ||x||
     # falls by an order of magnitude within a few steps; a collapse fraction of 0.5 must stop the
@@ -586,6 +588,96 @@ def test_loss_table_adds_new_runs_to_a_kept_table_in_paper_order(tmp_path):
     assert main([str(run), "--keep", str(table), "--json", str(table)]) == 0
     runs = [r["run"] for r in json.loads(table.read_text())]
     assert runs == ["sf4_softmax", "sf4_sphereface_plus", "sf4_cosface", "sf4_arcface"]
+
+
+def test_both_loops_build_their_step_hooks_from_the_config_in_one_place():
+    from training.cifar import build_cifar_model, load_cifar_config
+    from training.opt import OPTRefinement, OPTTraining
+    from training.regularisers import (
+        HeadRenormalisation,
+        HiddenMHEHook,
+        OrthogonalityHook,
+        WeightProjection,
+        build_step_hooks,
+    )
+    from training.trainer import build_model
+
+    face = load_config(None, ["network=sphereface4", "hidden_mhe_weight=0.5", 'opt="or"',
+                              'opt_options={ skip = ["fc1"] }'])  # fmt: skip
+    hooks = build_step_hooks(face, build_model(face, num_classes=3))
+    assert [type(h) for h in hooks] == [HiddenMHEHook, OPTRefinement, OPTTraining, HeadRenormalisation]
+    sphere = load_config(None, ["network=sphereface4", "operator=sphereconv", "orthogonality_weight=0.1",
+                                "weight_projection_every=2", "head=softmax"])  # fmt: skip
+    hooks = build_step_hooks(sphere, build_model(sphere, num_classes=3))
+    assert [type(h) for h in hooks] == [OrthogonalityHook, WeightProjection]  # softmax: no renormalisation
+    # the CIFAR loop adds hidden MHE after the other penalties (its order, kept bit for bit)
+    cifar = load_cifar_config(CONFIGS / "opt" / "cifar" / "cnn6_or.toml", ["hidden_mhe_weight=1.0"])
+    hooks = build_step_hooks(cifar, build_cifar_model(cifar), hidden_mhe_last=True)
+    assert [type(h) for h in hooks] == [OPTRefinement, OPTTraining, HiddenMHEHook]
+
+
+def test_step_hooks_add_their_penalties_in_order_and_run_their_updates():
+    from training.step_hooks import StepHook, StepHooks, StepInputs
+
+    calls: list[str] = []
+
+    class Recorder(StepHook):
+        def __init__(self, name: str, term: float | None) -> None:
+            self.name, self.term = name, term
+
+        def penalty(self, inputs: StepInputs) -> torch.Tensor | None:
+            calls.append(f"{self.name}.penalty")
+            return None if self.term is None else torch.tensor(self.term)
+
+        def logged(self) -> dict[str, torch.Tensor]:
+            return {} if self.term is None else {self.name: torch.tensor(2 * self.term)}
+
+        def after_backward(self, optimizer) -> None:
+            calls.append(f"{self.name}.after_backward")
+
+        def after_step(self, optimizer, step: int) -> None:
+            calls.append(f"{self.name}.after_step({step})")
+
+    hooks = StepHooks([Recorder("a", 1.0), Recorder("b", None), Recorder("c", 0.25)])
+    inputs = StepInputs(torch.nn.Identity(), torch.zeros(1), torch.zeros(1))
+    total, logged = hooks.add_penalties(torch.tensor(10.0), inputs)
+    assert float(total) == 11.25 and {k: float(v) for k, v in logged.items()} == {"a": 2.0, "c": 0.5}
+    hooks.after_backward(None)
+    hooks.after_step(None, 7)
+    assert calls == ["a.penalty", "b.penalty", "c.penalty", "a.after_backward", "b.after_backward",
+                     "c.after_backward", "a.after_step(7)", "b.after_step(7)", "c.after_step(7)"]  # fmt: skip
+
+
+def test_a_stopping_callback_lets_every_callback_record_the_stop():
+    from training.callbacks import Callback, Callbacks, Checkpointer, History, Interval, RunStopped
+
+    seen: list[tuple[str, int]] = []
+
+    class Stop(Callback):
+        def on_interval(self, interval: Interval) -> None:
+            if interval.row["loss"] > 1:
+                raise RunStopped("diverged")
+
+    class Record(Callback):
+        def on_interval(self, interval: Interval) -> None:
+            seen.append(("interval", interval.done))
+
+        def on_stop(self, interval: Interval, error: BaseException) -> None:
+            seen.append((f"stop: {error}", interval.done))
+
+    saved: list[tuple[int, float]] = []
+    history = History()
+    callbacks = Callbacks(
+        [Stop(), None, Record(), history, Checkpointer(lambda d, r: saved.append((d, r["loss"])), 2, 3)]
+    )
+    for done, loss in [(1, 0.5), (2, 0.4), (3, 0.3)]:
+        callbacks.on_interval(Interval(done, done == 3, {"loss": loss}))
+        callbacks.on_step(done)
+    assert saved == [(2, 0.4), (3, 0.3)] and [r["loss"] for r in history.rows] == [0.5, 0.4, 0.3]
+    with pytest.raises(RunStopped, match="diverged"):
+        callbacks.on_interval(Interval(4, False, {"loss": 5.0}))
+    assert seen == [("interval", 1), ("interval", 2), ("interval", 3), ("stop: diverged", 4)]
+    assert history.latest == {"loss": 0.3}  # the stopping interval never reached the later callbacks
 
 
 def test_optimiser_groups_follow_the_authors_prototxt():

@@ -39,16 +39,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.comhe import hidden_regulariser
+from training.callbacks import Callback, Callbacks, History, Interval, ProgressBar
 from training.config import ConfigError, RunConfig, read_toml
-from training.opt import (
-    OPTTraining,
-    apply_classifier_opt_as_configured,
-    describe_refinement,
-    layer_energies,
-    refine_as_configured,
-    trainable_parameters,
-)
+from training.opt import apply_classifier_opt_as_configured, layer_energies, trainable_parameters
+from training.regularisers import build_step_hooks
+from training.step_hooks import StepHooks, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -248,24 +243,21 @@ class CifarClassifier(nn.Module):
 
 
 def build_cifar_model(config: CifarConfig) -> CifarClassifier:
-    from models.nets.hyperspherical import HypersphericalSettings, enable_weighted_gradients
+    from models.nets.hyperspherical import enable_weighted_gradients
     from models.nets.plain_cnn import PlainCNN
-    from training.losses import LambdaSchedule, build_head
-    from training.opt import opt_settings
+    from training.losses import build_head
 
     net = PlainCNN(
         config.convs_per_stage, tuple(config.widths), config.embedding_size, config.batch_norm, config.relu
     )
-    HypersphericalSettings(config.operator, dict(config.operator_options), config.operator_fc).apply(net)
-    opt_settings(config.opt, config.opt_options).apply(net)
+    config.operator_settings().apply(net)
+    config.opt_settings().apply(net)
     if config.weighted_gradients:
         enable_weighted_gradients(net)
     options = dict(config.head_options)
-    if config.head in ("asoftmax", "sphereface_plus", "ga_softmax"):
-        options.setdefault(
-            "lambda_schedule",
-            LambdaSchedule(config.lambda_base, config.lambda_gamma, config.lambda_power, config.lambda_min),
-        )
+    schedule = config.lambda_schedule()
+    if schedule is not None:
+        options.setdefault("lambda_schedule", schedule)
     head = build_head(config.head, config.embedding_size, len(CLASSES), **options)
     apply_classifier_opt_as_configured(head, config.opt, config.opt_options)
     return CifarClassifier(net, head)
@@ -310,32 +302,18 @@ def read_cifar_log(path: str | Path) -> dict[str, np.ndarray]:
     return {k: np.array([float(r[k]) if r.get(k) else np.nan for r in rows]) for k in LOG_COLUMNS}
 
 
-def optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, config: CifarConfig, step: int,
-                   x: torch.Tensor, y: torch.Tensor,
-                   opt: OPTTraining, hidden_mhe: Any = None) -> tuple[float, float, float]:  # fmt: skip
-    """One training step: the head's loss plus the configured regularisers, backward, OPT's and the
+def optimiser_step(model: CifarClassifier, optimiser: torch.optim.Optimizer, step: int, x: torch.Tensor,
+                   y: torch.Tensor, hooks: StepHooks) -> tuple[float, float, float]:  # fmt: skip
+    """One training step: the head's loss plus the hooks' penalties, backward, the hooks' and the
     optimiser's updates. Returns (head loss, batch accuracy, lambda)."""
-    from models.nets.hyperspherical import orthogonality_penalty, project_weights_
-
-    out = model.head(model.net(x), y, step=step)
-    loss = out.loss
-    if config.orthogonality_weight > 0:
-        loss = loss + config.orthogonality_weight * orthogonality_penalty(model.net)
-    opt_penalty = opt.penalty()
-    if opt_penalty is not None:
-        loss = loss + opt_penalty
-    if hidden_mhe is not None:
-        loss = loss + hidden_mhe(model.net)
+    features = model.net(x)
+    out = model.head(features, y, step=step)
+    loss, _ = hooks.add_penalties(out.loss, StepInputs(model.net, x, features))
     optimiser.zero_grad(set_to_none=True)
     loss.backward()
-    opt.after_backward(optimiser.param_groups[0]["lr"])
+    hooks.after_backward(optimiser)
     optimiser.step()
-    opt.after_step(optimiser, step)
-    renormalise = getattr(model.head, "renormalise_", None)
-    if renormalise is not None:
-        renormalise()
-    if config.weight_projection_every and (step + 1) % config.weight_projection_every == 0:
-        project_weights_(model.net)
+    hooks.after_step(optimiser, step)
     accuracy = float((out.logits.argmax(1) == y).float().mean())
     # the head's loss (the regulariser left out): comparable between runs with and without it
     return float(out.loss.detach()), accuracy, float(out.extras.get("lambda", 0.0))
@@ -367,30 +345,73 @@ def _make_optimiser(model: nn.Module, config: CifarConfig) -> torch.optim.Optimi
     return torch.optim.Adam(groups, lr=config.lr)
 
 
-def build_training(
-    config: CifarConfig,
-) -> tuple[CifarClassifier, torch.optim.Optimizer, OPTTraining, Any]:
-    """The model, its optimiser, OPT's training hooks and the hidden-layer MHE regulariser (or None)
-    of a run, from the global torch seed; the OPT refinement of v, if configured, is done here."""
+def build_training(config: CifarConfig) -> tuple[CifarClassifier, torch.optim.Optimizer, StepHooks]:
+    """The model, its optimiser and its step hooks, from the global torch seed; the hooks' work
+    before training (OPT's refinement of v, if configured) is done here."""
     model = build_cifar_model(config)
     optimiser = _make_optimiser(model, config)
-    energies = refine_as_configured(model.net, config.opt, config.opt_options)
-    if energies:
-        log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
-    opt = OPTTraining(model, config.opt, config.opt_options, seed=config.seed)  # the head too (CLS-OPT)
-    hidden_mhe = None
-    if config.hidden_mhe_weight > 0:
-        hidden_mhe = hidden_regulariser(
-            config.hidden_mhe_weight, config.hidden_mhe_half_space, config.hidden_mhe_projection,
-            config.hidden_mhe_options, seed=config.seed,
-        )  # fmt: skip
-    return model, optimiser, opt, hidden_mhe
+    hooks = build_step_hooks(config, model, hidden_mhe_last=True)
+    hooks.before_training()
+    return model, optimiser, hooks
+
+
+class PeriodicTest(Callback):
+    """Test accuracy on a fixed sample of test images every ``every`` steps (not at the last step,
+    which the whole test set scores)."""
+
+    def __init__(
+        self, model: CifarClassifier, images: torch.Tensor, labels: torch.Tensor, every: int
+    ) -> None:
+        self.model, self.images, self.labels, self.every = model, images, labels, every
+
+    def on_interval(self, interval: Interval) -> None:
+        if interval.done % self.every == 0 and not interval.is_last:
+            interval.row["test_accuracy"] = evaluate(self.model, self.images, self.labels)
+
+
+def _postfix(row: dict[str, Any]) -> dict[str, str]:
+    return {"loss": f"{row['loss']:.3f}", "acc": f"{100 * row['accuracy']:.1f}%"}
+
+
+def _train_loop(
+    config: CifarConfig,
+    model: CifarClassifier,
+    optimiser: torch.optim.Optimizer,
+    hooks: StepHooks,
+    batches: _Batches,
+    callbacks: list[Callback],
+) -> list[dict[str, Any]]:
+    """Every step of the run; returns the log rows (one per ``log_every`` steps and the last)."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
+    history = History()
+    run_callbacks = Callbacks([*callbacks, history])
+    interval: list[tuple[float, float]] = []
+    started = time.perf_counter()
+    try:
+        for step in range(config.steps):
+            loss, accuracy, lam = optimiser_step(model, optimiser, step, *batches.next(), hooks)
+            scheduler.step()
+            if not np.isfinite(loss):
+                raise FloatingPointError(
+                    f"{config.name}: the loss became {loss} at step {step + 1}; lower lr"
+                )
+            interval.append((loss, accuracy))
+            done = step + 1
+            if done % config.log_every == 0 or done == config.steps:
+                row = {"step": done, "loss": float(np.mean([v[0] for v in interval])),
+                       "accuracy": float(np.mean([v[1] for v in interval])),
+                       "lr": optimiser.param_groups[0]["lr"], "lambda": lam,
+                       "elapsed_s": time.perf_counter() - started}  # fmt: skip
+                interval.clear()
+                run_callbacks.on_interval(Interval(done, done == config.steps, row))
+            run_callbacks.on_step(done)
+    finally:
+        run_callbacks.close()
+    return history.rows
 
 
 def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     """Train one run; writes ``log.csv``, ``summary.json`` and ``curves.png``; returns the summary."""
-    from tqdm import tqdm
-
     if config.threads:
         torch.set_num_threads(config.threads)
     run_dir = config.run_dir
@@ -406,35 +427,28 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     )
     test_x, test_y = to_tensor(data["test_images"]), torch.from_numpy(data["test_labels"])
     sample = periodic_sample(len(test_y), config.eval_images)
-    model, optimiser, opt, hidden_mhe = build_training(config)
+    model, optimiser, hooks = build_training(config)
     initial_energies = layer_energies(model.net)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, config.lr_factor)
-    rows: list[dict[str, Any]] = []
-    interval: list[tuple[float, float]] = []
     started = time.perf_counter()
-    bar = tqdm(range(config.steps), desc=config.name, disable=not progress, mininterval=2)
-    for step in bar:
-        loss, accuracy, lam = optimiser_step(model, optimiser, config, step, *batches.next(), opt, hidden_mhe)
-        scheduler.step()
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"{config.name}: the loss became {loss} at step {step + 1}; lower lr")
-        interval.append((loss, accuracy))
-        done = step + 1
-        if done % config.log_every and done != config.steps:
-            continue
-        row = {"step": done, "loss": float(np.mean([v[0] for v in interval])),
-               "accuracy": float(np.mean([v[1] for v in interval])), "lr": optimiser.param_groups[0]["lr"],
-               "lambda": lam, "elapsed_s": time.perf_counter() - started}  # fmt: skip
-        interval.clear()
-        if done % config.eval_every == 0 and done != config.steps:
-            row["test_accuracy"] = evaluate(model, test_x[sample], test_y[sample])
-        rows.append(row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{100 * row['accuracy']:.1f}%")
+    callbacks = [
+        PeriodicTest(model, test_x[sample], test_y[sample], config.eval_every),
+        ProgressBar(config.steps, config.name, _postfix, enabled=progress, mininterval=2),
+    ]
+    rows = _train_loop(config, model, optimiser, hooks, batches, callbacks)
     train_seconds = time.perf_counter() - started
     rows[-1]["test_accuracy"] = final = evaluate(model, test_x, test_y)
     _write_log(run_dir / "log.csv", rows)
     summary = _summary(config, model, rows, final, train_seconds)
     summary["layer_energy"] = {"initial": initial_energies, "final": layer_energies(model.net)}
+    _save_run(config, model, summary)
+    log.info("%s: test accuracy %.2f%% after %d steps (%.0f s)", config.name, 100 * final, config.steps,
+             train_seconds)  # fmt: skip
+    return summary
+
+
+def _save_run(config: CifarConfig, model: CifarClassifier, summary: dict[str, Any]) -> None:
+    """``summary.json`` (with the OPT numbers), ``model.pt`` and ``curves.png`` of a finished run."""
+    run_dir = config.run_dir
     summary["trainable_parameters"] = trainable_parameters(model.net)
     if config.opt != "none":
         from models.nets.opt import orthogonality_error
@@ -444,14 +458,6 @@ def train_cifar(config: CifarConfig, progress: bool = True) -> dict[str, Any]:
     torch.save({"config": config.as_dict(), "net": model.net.state_dict(), "head": model.head.state_dict()},
                run_dir / "model.pt")  # fmt: skip
     plot_cifar_curves([run_dir], run_dir / "curves.png", config.name)
-    log.info(
-        "%s: test accuracy %.2f%% after %d steps (%.0f s)",
-        config.name,
-        100 * final,
-        config.steps,
-        train_seconds,
-    )
-    return summary
 
 
 def _summary(config: CifarConfig, model: CifarClassifier, rows: list[dict[str, Any]], final: float,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from models.manifest import INPUT_NAME, MODEL_NAME, load_manifest
 from models.runtime import create_session
+from training.step_hooks import StepHook, StepInputs
 
 
 class TeacherEmbedder:
@@ -64,6 +65,23 @@ class TeacherEmbedder:
         """:func:`similarity_distillation_loss` of the student's features of ``images`` against
         this teacher's."""
         return similarity_distillation_loss(student_features, self(images))
+
+
+class DistillationHook(StepHook):
+    """The step hook of distillation: ``weight * L_distill`` added to the loss, ``L_distill``
+    logged as ``distill``."""
+
+    def __init__(self, teacher: TeacherEmbedder, weight: float) -> None:
+        self.teacher, self.weight = teacher, weight
+        self._term: torch.Tensor | None = None
+
+    def penalty(self, inputs: StepInputs) -> torch.Tensor:
+        term = self.teacher.distillation_loss(inputs.features, inputs.images)
+        self._term = term.detach()
+        return self.weight * term
+
+    def logged(self) -> dict[str, torch.Tensor]:
+        return {} if self._term is None else {"distill": self._term}
 
 
 def similarity_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

@@ -269,7 +269,8 @@ def _face_row_from_stopped_run(run: Path) -> dict[str, Any]:
     """A run without a summary: its last log row, no LFW. ``collapsed`` when the trainer stopped it
     on collapsed features (its ``stopped.json``), or, for runs older than that record, when its
     last logged feature norm is under the collapse threshold; otherwise it is unfinished."""
-    from training.trainer import STOPPED_NAME, read_log
+    from training.health import STOPPED_NAME
+    from training.run_log import read_log
 
     config = tomllib.loads((run / "config.toml").read_text())
     cols = read_log(run / "log.csv")
@@ -377,7 +378,7 @@ FACES_TITLE = "SphereFace-4 + A-Softmax (m = 4) on celeba_faces + celeba_small: 
 
 
 def plot_faces(rows: list[dict[str, Any]], out: Path, title: str = FACES_TITLE) -> Path | None:
-    from training.trainer import read_log
+    from training.run_log import read_log
 
     if not rows:
         return None

@@ -209,7 +209,7 @@ def plot_curves(run_dirs: list[Path], out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from training.trainer import read_log
+    from training.run_log import read_log
 
     fig = Figure(figsize=(15, 4.6), dpi=110)
     FigureCanvasAgg(fig)

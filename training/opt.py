@@ -1,4 +1,4 @@
-"""The trainer's side of OPT and S-OPT (SPEC.md §5.3): options, the optimiser hooks, the refinement of ``v``.
+"""The trainer's side of OPT and S-OPT (thesis Ch. 7, OPT): options, step hooks, the refinement of ``v``.
 
 The layers are :mod:`models.nets.opt`. A config turns OPT on with ``opt = "<method>"`` and one
 ``opt_options`` table that holds the layer options (:class:`models.nets.opt.OPTSpec`: ``normalize_v``,
@@ -13,12 +13,14 @@ The layers are :mod:`models.nets.opt`. A config turns OPT on with ``opt = "<meth
 * ``refine_steps``, ``refine_half_space``: minimise the (half-space) hyperspherical energy of every
   layer's ``v`` for this many gradient steps before training (§3.7; 0: off, the papers' default).
 
-:class:`OPTTraining` is what the training loops call: the penalty to add to the loss, the
-orthogonality-preserving update after ``backward`` and S-OPT's outer step after ``optimizer.step``.
+:class:`OPTTraining` is the step hook the training loops run (:class:`training.step_hooks.StepHook`):
+the penalty to add to the loss, the orthogonality-preserving update after ``backward`` and S-OPT's
+outer step after ``optimizer.step``; :class:`OPTRefinement` refines ``v`` before a fresh run.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,6 +35,9 @@ from models.nets.opt import (
     relaxed_orthogonality_penalty,
     stochastic_outer_step_,
 )
+from training.step_hooks import StepHook, StepInputs
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RELAXED_WEIGHT = 1e-3
 """beta of ``or`` when the config does not set one (the paper does not print its value)."""
@@ -75,8 +80,8 @@ def opt_settings(method: str, options: dict[str, Any] | None) -> OPTSettings:
     return OPTSettings(method, parsed.layer_options, parsed.skip)
 
 
-class OPTTraining:
-    """The per-step OPT work of one network (a no-op object when it has no OPT layers)."""
+class OPTTraining(StepHook):
+    """The per-step OPT work of one network (a no-op hook when it has no OPT layers)."""
 
     def __init__(self, net: nn.Module, method: str, options: dict[str, Any] | None, seed: int = 0) -> None:
         self.net = net
@@ -86,16 +91,17 @@ class OPTTraining:
         self.stochastic = any(layer.stochastic_dims for layer in opt_layers(net))
         self.generator = torch.Generator().manual_seed(seed + 1_000_003)
 
-    def penalty(self) -> Tensor | None:
-        """``beta ||U^T U - I||_F^2`` for ``or`` (None otherwise)."""
+    def penalty(self, inputs: StepInputs | None = None) -> Tensor | None:
+        """``beta ||U^T U - I||_F^2`` for ``or`` (None otherwise; ``inputs`` are not needed)."""
         if self.method != "or" or not self.has_layers:
             return None
         return self.options.relaxed_weight * relaxed_orthogonality_penalty(self.net)
 
-    def after_backward(self, lr: float) -> None:
-        """``ogd``: move every ``R`` along its Cayley curve (before ``optimizer.step``)."""
+    def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """``ogd``: move every ``R`` along its Cayley curve by the first group's learning rate
+        (before ``optimizer.step``)."""
         if self.method == "ogd":
-            ogd_step_(self.net, lr)
+            ogd_step_(self.net, optimizer.param_groups[0]["lr"])
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """S-OPT: every ``inner_steps`` steps fold ``R_p`` into ``v``, redraw, reset, clear its momentum."""
@@ -103,6 +109,19 @@ class OPTTraining:
             return
         for param in stochastic_outer_step_(self.net, self.generator):
             optimizer.state.pop(param, None)
+
+
+class OPTRefinement(StepHook):
+    """Before a fresh run: the refinement of the fixed neurons ``v`` that ``refine_steps`` asks for
+    (:func:`refine_as_configured`; OPT §3.7)."""
+
+    def __init__(self, net: nn.Module, method: str, options: dict[str, Any] | None) -> None:
+        self.net, self.method, self.options = net, method, options
+
+    def before_training(self) -> None:
+        energies = refine_as_configured(self.net, self.method, self.options)
+        if energies:
+            log.info("OPT: hyperspherical energy of v refined, per layer: %s", describe_refinement(energies))
 
 
 def layer_energy(layer: nn.Module, half_space: bool = False) -> float:
