@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.align import align_faces, get_template
+from models.align import align_faces, get_template, similarity_transform
 from models.embedder import Embedder
 from models.errors import MultipleFacesError, NoFaceError
+from models.image import JPEG_REDUCTIONS, DecodedPhoto
 from models.mtcnn import DEFAULT_THRESHOLDS, DetectedFace, MTCNNDetector, select_faces
 
 #: What to do with a photo that shows several faces when one is expected.
@@ -24,6 +25,22 @@ MULTIPLE_FACE_POLICIES = ("reject", "largest", "central", "all")
 #: times as fast on phone photos, the same face and landmarks on all but 2 of 7,721 photos
 #: measured); ``full`` detects every face and keeps the largest.
 LARGEST_FACE_SEARCHES = ("coarse-to-fine", "full")
+
+
+@dataclass
+class PhotoCrops:
+    """The faces of a decoded photo and their aligned crops.
+
+    Attributes:
+        faces: the faces chosen, box and landmarks in pixels of the full-size photo.
+        crops: ``(N, H, W, 3)`` uint8 aligned crops, one per face.
+        source: the decode the crops were cut from (the photo as decoded, or decoded again at a
+            finer scale); :meth:`models.image.DecodedPhoto.from_full` maps the faces into it.
+    """
+
+    faces: list[DetectedFace]
+    crops: np.ndarray
+    source: DecodedPhoto
 
 
 @dataclass
@@ -95,6 +112,57 @@ class FacePipeline:
     def crops(self, image: np.ndarray, policy: str = "all") -> tuple[list[DetectedFace], np.ndarray]:
         """Detect and select faces as :meth:`faces` does, and return them with their aligned crops
         (uint8, N x H x W x 3), so crops of many photos can be embedded in one batch."""
+        chosen = self._find(image, policy)
+        return chosen, align_faces(image, np.stack([f.landmarks for f in chosen]), self.template)
+
+    @property
+    def decode_side(self) -> int | None:
+        """The longer side a photo needs to be decoded at for detection (the detector's
+        ``max_image_side``; None: full size): :func:`models.image.decode_photo`'s ``min_side``."""
+        return self.detector.max_image_side
+
+    def photo_crops(
+        self, photo: DecodedPhoto, policy: str = "all", *, min_face_side: float = 0.0
+    ) -> PhotoCrops:
+        """:meth:`crops` of a photo that may be decoded at a reduced scale.
+
+        Faces are detected on the photo as decoded: with :attr:`decode_side` or more pixels on its
+        longer side, the detector's pyramid is the one it makes of the full photo. Crops are cut from it
+        when it has at least as many pixels across every chosen face as the crop has (the warp
+        only shrinks) and at least ``min_face_side`` pixels on each face box's longer side;
+        otherwise the photo is decoded again at the coarsest scale that has them (full size at
+        most). The project's rule, so that a large photo costs a reduced decode and a small face
+        in it is still cut from the pixels it has.
+
+        Raises:
+            NoFaceError, MultipleFacesError: as :meth:`faces`.
+        """
+        found = self._find(photo.image, policy)
+        source = photo.finer(self._reduction_for(found, photo.reduction, min_face_side))
+        faces = [
+            DetectedFace(box=photo.box_to_full(f.box), score=f.score, landmarks=photo.to_full(f.landmarks))
+            for f in found
+        ]
+        points = source.from_full(np.stack([f.landmarks for f in faces]))
+        return PhotoCrops(faces, align_faces(source.image, points, self.template), source)
+
+    def _reduction_for(self, faces: list[DetectedFace], reduction: int, min_face_side: float) -> int:
+        """The coarsest DCT scale (at most ``reduction``) whose pixels cover every face's crop and
+        ``min_face_side``; faces are in pixels of a decode at ``reduction``."""
+        template = self.template.as_array()
+        need = 1.0  # decoded pixels wanted per pixel of this decode, on each side
+        for face in faces:
+            matrix = similarity_transform(np.asarray(face.landmarks, np.float64), template)
+            need = max(need, float(np.hypot(matrix[0, 0], matrix[1, 0])))
+            side = max(face.box[2] - face.box[0], face.box[3] - face.box[1]) + 1
+            need = max(need, min_face_side / max(float(side), 1e-6))
+        for finer in (*JPEG_REDUCTIONS, 1):
+            if finer <= reduction and reduction / finer >= need:
+                return finer
+        return 1
+
+    def _find(self, image: np.ndarray, policy: str) -> list[DetectedFace]:
+        """The faces of ``image`` that ``policy`` chooses (see :meth:`faces` for the errors)."""
         if policy not in MULTIPLE_FACE_POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {MULTIPLE_FACE_POLICIES}")
         if policy == "largest" and self.largest_face_search == "coarse-to-fine":
@@ -109,10 +177,8 @@ class FacePipeline:
                     f"the photo shows {len(found)} faces; send a photo of one face, "
                     "or ask for its largest or most central face (policy largest or central)"
                 )
-            chosen = found
-        else:
-            chosen = select_faces(found, policy, image.shape)
-        return chosen, align_faces(image, np.stack([f.landmarks for f in chosen]), self.template)
+            return found
+        return select_faces(found, policy, image.shape)
 
     def embed_aligned(self, crops: np.ndarray) -> np.ndarray:
         """Embed crops that are already aligned to the model's template."""

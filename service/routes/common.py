@@ -14,12 +14,12 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import FacePathError, ImageTooLargeError, SphereFaceError
-from models.image import decode_image, image_size
+from models.image import DecodedPhoto, decode_photo, image_size
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
 from service.admission import PixelBudget
 from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
-from service.gallery.face_images import FaceRegion, cut_face_region
+from service.gallery.face_images import REGION_MAX_SIDE, REGION_SCALE, FaceRegion, cut_face_region
 from service.metrics import Metrics
 from service.schemas import Face
 from service.settings import Settings
@@ -96,6 +96,11 @@ class FaceWork:
 
     def read(self, upload: UploadFile) -> tuple[np.ndarray, str]:
         """Read and decode an upload within the limits; returns the image and the bytes' SHA-256."""
+        photo, sha = self._decode(upload, None)
+        return photo.image, sha
+
+    def _decode(self, upload: UploadFile, min_side: int | None) -> tuple[DecodedPhoto, str]:
+        """:meth:`read`, a JPEG at the smallest DCT scale with ``min_side`` pixels on its longer side."""
         limit = self.settings.max_upload_bytes
         name = upload.filename or "photo"
         with self.metrics.stage("decode"):
@@ -104,25 +109,36 @@ class FaceWork:
             if len(data) > limit:
                 raise ImageTooLargeError(f"{name} is larger than {limit} bytes")
             try:
-                image = decode_image(data, max_bytes=limit, max_pixels=self.settings.max_image_pixels)
+                photo = decode_photo(
+                    data, max_bytes=limit, max_pixels=self.settings.max_image_pixels, min_side=min_side
+                )
             except FacePathError as exc:
                 exc.message = f"{name}: {exc.message}"
                 raise
-        return image, hashlib.sha256(data).hexdigest()
+        return photo, hashlib.sha256(data).hexdigest()
 
     def detect(self, upload: UploadFile, policy: str, *, region: bool = False) -> PhotoFaces:
         """Decode, detect, select (policy) and align, within the worker's pixel budget; typed
-        errors name the photo. ``region``: also cut the stored region of the first face."""
-        with self.budget.hold(self._pixels(upload)):
-            image, sha = self.read(upload)
+        errors name the photo. ``region``: also cut the stored region of the first face.
+
+        A JPEG is decoded at the scale detection needs (:attr:`FacePipeline.decode_side`) and its
+        crops cut at the scale they need (:meth:`FacePipeline.photo_crops`; the region too)."""
+        side = self.pipeline.decode_side
+        with self.budget.hold(self._pixels(upload, side)):
+            photo, sha = self._decode(upload, side)
             try:
                 with self.metrics.stage("detect"):
-                    faces, crops = self.pipeline.crops(image, policy)
+                    found = self.pipeline.photo_crops(
+                        photo, policy, min_face_side=REGION_MAX_SIDE / REGION_SCALE if region else 0.0
+                    )
             except FacePathError as exc:
                 exc.message = f"{upload.filename or 'photo'}: {exc.message}"
                 raise
-            cut = cut_face_region(image, faces[0].box, faces[0].landmarks) if region else None
-            del image  # the full-size photo goes before the budget is handed on
+            faces, crops, source, cut = found.faces, found.crops, found.source, None
+            if region:
+                box, points = source.box_from_full(faces[0].box), source.from_full(faces[0].landmarks)
+                cut = cut_face_region(source.image, box, points)
+            del photo, source, found  # the decoded photo goes before the budget is handed on
         self.metrics.count_faces(len(faces))
         return PhotoFaces(sha, faces, crops, cut)
 
@@ -139,10 +155,10 @@ class FaceWork:
         with self.budget.hold(self._pixels(upload)):
             return self.read(upload)
 
-    def _pixels(self, upload: UploadFile) -> int:
-        """The photo's pixel count from its header (0 when unreadable: decoding will say why)."""
+    def _pixels(self, upload: UploadFile, min_side: int | None = None) -> int:
+        """The pixels the photo decodes to, from its header (0 when unreadable: decoding will say why)."""
         upload.file.seek(0)
-        size = image_size(upload.file)
+        size = image_size(upload.file, min_side)
         upload.file.seek(0)
         return size[0] * size[1] if size else 0
 
