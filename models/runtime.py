@@ -75,6 +75,12 @@ def create_session(
     # runs of the detector and the Python work around them, that spinning takes a core from the
     # request's own thread: measured 274 -> 200 ms per /v1/verify on 2 cores (docs/results/service.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # ONNX Runtime's CPU arena keeps the largest activations a session ever ran (pyramid levels
+    # and batches vary per photo) and never hands them back; without it they are malloc'd per run
+    # and a trim gives them back (service.memory). Measured: the same CPU time per photo on the
+    # detector and embedder (docs/results/face-path.md), and a serving worker back within 1.5x of
+    # its start after large photos instead of 2x.
+    options.enable_cpu_mem_arena = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session = ort.InferenceSession(
         str(model_path), sess_options=options, providers=[p for p in wanted if p in available]

@@ -20,6 +20,7 @@ from models.pipeline import FacePipeline
 from service.admission import PixelBudget
 from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
 from service.gallery.face_images import REGION_MAX_SIDE, REGION_SCALE, FaceRegion, cut_face_region
+from service.memory import IDLE_TRIM
 from service.metrics import Metrics
 from service.schemas import Face
 from service.settings import Settings
@@ -124,7 +125,7 @@ class FaceWork:
         A JPEG is decoded at the scale detection needs (:attr:`FacePipeline.decode_side`) and its
         crops cut at the scale they need (:meth:`FacePipeline.photo_crops`; the region too)."""
         side = self.pipeline.decode_side
-        with self.budget.hold(self._pixels(upload, side)):
+        with IDLE_TRIM.working(), self.budget.hold(self._pixels(upload, side)):
             photo, sha = self._decode(upload, side)
             try:
                 with self.metrics.stage("detect"):
@@ -152,7 +153,7 @@ class FaceWork:
 
     def read_aligned(self, upload: UploadFile) -> tuple[np.ndarray, str]:
         """Decode a photo that is already an aligned crop, within the pixel budget."""
-        with self.budget.hold(self._pixels(upload)):
+        with IDLE_TRIM.working(), self.budget.hold(self._pixels(upload)):
             return self.read(upload)
 
     def _pixels(self, upload: UploadFile, min_side: int | None = None) -> int:
@@ -168,7 +169,7 @@ class FaceWork:
             if not crops:
                 return np.zeros((0, self.pipeline.manifest.output_size), np.float32)
             crops = np.concatenate(crops)
-        with self.metrics.stage("embed"):
+        with IDLE_TRIM.working(), self.metrics.stage("embed"):
             return self.pipeline.embed_aligned(crops)
 
     def error(self, exc: SphereFaceError) -> dict[str, Any]:
