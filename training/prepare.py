@@ -33,21 +33,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import numbers
 import os
 import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from models.align import SPHEREFACE_TEMPLATE_112x96
-from models.errors import FacePathError, SphereFaceError
+from models.errors import SphereFaceError
+from training.align_workers import DEFAULT_MIN_FACE_SIZE, FACE_POLICY, TEMPLATE, aligned_results
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,8 @@ FORMAT_VERSION = 1
 TRAINING_SET_KIND = "training_set"
 MANIFEST_FILE = "manifest.json"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-TEMPLATE = SPHEREFACE_TEMPLATE_112x96
 IMAGE_SHAPE = (TEMPLATE.height, TEMPLATE.width, 3)
-FACE_POLICY = "central"
 DEFAULT_SHARD_SIZE = 8192
-#: MTCNN's usual smallest face, in pixels (``sphereface prepare --min-face-size``).
-DEFAULT_MIN_FACE_SIZE = 20.0
 
 _SHARD_FILES = ("images_{:05d}.npy", "labels_{:05d}.npy", "meta_{:05d}.json")
 _META_RE = re.compile(r"^meta_(\d{5,})\.json$")
@@ -267,25 +263,13 @@ def load_training_set(paths: str | Path | Sequence[str | Path], min_photos: int 
             (the errors of :func:`load_prepared`), sources prepared with different templates,
             ``min_photos`` below 1 or not an integer, or no identity with ``min_photos`` faces.
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = [Path(p) for p in paths]
-    if not paths:
-        raise DatasetError("no prepared folders given: pass at least one folder made by `sphereface prepare`")
+    paths = _as_paths(paths)
     if isinstance(min_photos, bool) or not isinstance(min_photos, numbers.Integral):
         raise DatasetError(f"min_photos must be a whole number of photos, got {min_photos!r}")
     min_photos = int(min_photos)
     if min_photos < 1:
         raise DatasetError(f"min_photos must be at least 1, got {min_photos}")
-    seen: dict[Path, Path] = {}
-    for path in paths:
-        resolved = path.resolve()
-        if resolved in seen:
-            raise DatasetError(
-                f"the prepared folder {path} is given twice (also as {seen[resolved]}); its photos "
-                "would count twice"
-            )
-        seen[resolved] = path
+    _check_given_once(paths)
     if len(paths) == 1 and min_photos == 1:
         return load_prepared(paths[0])
 
@@ -296,9 +280,60 @@ def load_training_set(paths: str | Path | Sequence[str | Path], min_photos: int 
             f"the prepared folders were aligned to different templates ({', '.join(templates)}); "
             "prepare them alike"
         )
+    totals, in_sources = _face_counts(sources)
+    kept = sorted(name for name, count in totals.items() if count >= min_photos)
+    if not kept:
+        raise DatasetError(_nothing_left_message(paths, totals, min_photos))
+    shards, shard_entries, source_entries = _kept_shards(sources, {name: i for i, name in enumerate(kept)})
+    first = sources[0].manifest
+    num_images = sum(len(labels) for _, labels in shards)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "kind": TRAINING_SET_KIND,
+        "sources": source_entries,
+        "min_photos": min_photos,
+        "template": first.get("template"),
+        "image_shape": list(IMAGE_SHAPE),
+        "image_dtype": "uint8",
+        "label_dtype": "int64",
+        "color": first.get("color", "RGB"),
+        "num_images": num_images,
+        "num_classes": len(kept),
+        "identities": kept,
+        "identity_counts": {name: totals[name] for name in kept},
+        "dropped_identities_min_photos": len(totals) - len(kept),
+        "dropped_images_min_photos": sum(totals.values()) - num_images,
+        "merged_identities": [name for name in kept if in_sources[name] > 1],
+        "shards": shard_entries,
+    }
+    return PreparedDataset(paths[0], manifest, shards)
 
-    # Faces per identity name, per source and in total, counted from the labels themselves.
-    per_source: list[np.ndarray] = []
+
+def _as_paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out = [Path(p) for p in paths]
+    if not out:
+        raise DatasetError("no prepared folders given: pass at least one folder made by `sphereface prepare`")
+    return out
+
+
+def _check_given_once(paths: list[Path]) -> None:
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        resolved = path.resolve()
+        if resolved in seen:
+            raise DatasetError(
+                f"the prepared folder {path} is given twice (also as {seen[resolved]}); its photos "
+                "would count twice"
+            )
+        seen[resolved] = path
+
+
+def _face_counts(sources: list[PreparedDataset]) -> tuple[Counter[str], Counter[str]]:
+    """Faces per identity name over all sources, and in how many sources each name has faces
+    (counted from the labels themselves)."""
     totals: Counter[str] = Counter()
     in_sources: Counter[str] = Counter()
     for source in sources:
@@ -309,16 +344,18 @@ def load_training_set(paths: str | Path | Sequence[str | Path], min_photos: int 
                     f"{source.path} has labels outside 0..{source.num_classes - 1}; prepare it again"
                 )
             counts += np.bincount(labels, minlength=source.num_classes)
-        per_source.append(counts)
         for name, count in zip(source.identities, counts.tolist(), strict=True):
             if count > 0:
                 totals[name] += count
                 in_sources[name] += 1
-    kept = sorted(name for name, count in totals.items() if count >= min_photos)
-    if not kept:
-        raise DatasetError(_nothing_left_message(paths, totals, min_photos))
-    label_of = {name: i for i, name in enumerate(kept)}
+    return totals, in_sources
 
+
+def _kept_shards(
+    sources: list[PreparedDataset], label_of: dict[str, int]
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every source's shards with the rows of the kept identities, re-labelled by ``label_of``, and
+    the manifest entries of the kept shards and of the sources."""
     shards: list[tuple[np.ndarray, np.ndarray]] = []
     shard_entries: list[dict[str, Any]] = []
     source_entries: list[dict[str, Any]] = []
@@ -351,30 +388,7 @@ def load_training_set(paths: str | Path | Sequence[str | Path], min_photos: int 
                 "num_classes_kept": sum(1 for name in source.identities if name in label_of),
             }
         )
-
-    first = sources[0].manifest
-    num_images = sum(len(labels) for _, labels in shards)
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "kind": TRAINING_SET_KIND,
-        "sources": source_entries,
-        "min_photos": min_photos,
-        "template": first.get("template"),
-        "image_shape": list(IMAGE_SHAPE),
-        "image_dtype": "uint8",
-        "label_dtype": "int64",
-        "color": first.get("color", "RGB"),
-        "num_images": num_images,
-        "num_classes": len(kept),
-        "identities": kept,
-        "identity_counts": {name: totals[name] for name in kept},
-        "dropped_identities_min_photos": len(totals) - len(kept),
-        "dropped_images_min_photos": sum(totals.values()) - num_images,
-        "merged_identities": [name for name in kept if in_sources[name] > 1],
-        "shards": shard_entries,
-    }
-    return PreparedDataset(paths[0], manifest, shards)
+    return shards, shard_entries, source_entries
 
 
 def _nothing_left_message(paths: Sequence[Path], totals: Counter[str], min_photos: int) -> str:
@@ -484,88 +498,6 @@ def list_photos(
             f"{len(names)} identity folder(s) left after exclusions"
         )
     return names, photos, excluded, not_found
-
-
-# --------------------------------------------------------------------------------------------
-# Workers
-# --------------------------------------------------------------------------------------------
-
-#: This process's MTCNN and the (providers, min face size) it was made for.
-_WORKER_DETECTOR: tuple[tuple[str, float], Any] | None = None
-_WORKER_SETTINGS: tuple[str, float] = ("cpu", DEFAULT_MIN_FACE_SIZE)
-
-
-def _worker_init(providers: str, min_face_size: float = DEFAULT_MIN_FACE_SIZE) -> None:
-    global _WORKER_SETTINGS
-    _WORKER_SETTINGS = (providers, float(min_face_size))
-
-
-def _detector(providers: str, min_face_size: float = DEFAULT_MIN_FACE_SIZE) -> Any:
-    """This process's MTCNN (made on first use, with one ONNX Runtime thread per call)."""
-    global _WORKER_DETECTOR
-    key = (providers, float(min_face_size))
-    if _WORKER_DETECTOR is None or _WORKER_DETECTOR[0] != key:
-        from models.mtcnn import MTCNNDetector
-
-        detector = MTCNNDetector(providers=providers, intra_op_threads=1, min_face_size=min_face_size)
-        _WORKER_DETECTOR = (key, detector)
-    return _WORKER_DETECTOR[1]
-
-
-def align_photo(detector: Any, path: str | Path) -> tuple[np.ndarray | None, str | None, str | None]:
-    """Read, detect and align one photo.
-
-    Returns:
-        ``(crop, None, None)`` with a ``(112, 96, 3)`` uint8 RGB crop, or ``(None, reason,
-        message)`` when the photo is skipped: ``reason`` is ``no_face`` or the read error's code
-        (``unreadable_image``, ``image_too_large``).
-    """
-    from models.align import align_face
-    from models.image import read_image
-    from models.mtcnn import select_faces
-
-    try:
-        image = read_image(path)
-    except FacePathError as exc:
-        return None, exc.code, exc.message
-    faces = select_faces(detector.detect(image), FACE_POLICY, image.shape)
-    if not faces:
-        return None, "no_face", f"MTCNN found no face in the {image.shape[1]}x{image.shape[0]} photo"
-    return align_face(image, faces[0].landmarks, TEMPLATE), None, None
-
-
-def _work(task: tuple[int, str]) -> tuple[int, np.ndarray | None, str | None, str | None]:
-    """Pool task: ``(photo index, absolute path)`` -> ``(index, crop, reason, message)``."""
-    index, path = task
-    detector = _detector(*_WORKER_SETTINGS)
-    try:
-        crop, reason, message = align_photo(detector, path)
-    except Exception as exc:  # one odd photo must not stop a long job; it is recorded instead
-        crop, reason, message = None, "error", f"{type(exc).__name__}: {exc}"
-    return index, crop, reason, message
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    # Never fork a parent that may hold ONNX Runtime threads: forkserver where there is one.
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-
-
-def _results(
-    tasks: list[tuple[int, str]], workers: int, providers: str, min_face_size: float
-) -> Iterator[tuple[int, np.ndarray | None, str | None, str | None]]:
-    """Results of :func:`_work` over ``tasks``, in task order."""
-    if not tasks:
-        return
-    if workers <= 1:
-        _worker_init(providers, min_face_size)
-        for task in tasks:
-            yield _work(task)
-        return
-    workers = min(workers, len(tasks))
-    chunksize = max(1, min(16, len(tasks) // (workers * 8)))
-    with _pool_context().Pool(workers, initializer=_worker_init, initargs=(providers, min_face_size)) as pool:
-        yield from pool.imap(_work, tasks, chunksize=chunksize)
 
 
 # --------------------------------------------------------------------------------------------
@@ -765,122 +697,156 @@ def prepare_dataset(
         raise ValueError(f"min_face_size must be at least 12 pixels (P-Net's window), got {min_face_size}")
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     identities, photos, excluded, not_found = list_photos(src, exclude_identities, limit_identities)
-    detector = _detector_settings(min_face_size)
     settings = {
         "format_version": FORMAT_VERSION,
         "template": TEMPLATE.name,
         "image_shape": list(IMAGE_SHAPE),
-        "detector": detector,
+        "detector": _detector_settings(min_face_size),
         "shard_size": shard_size,
     }
-    fingerprint = _fingerprint(src, photos, settings)
+    job = _Job(src, out, photos, _fingerprint(src, photos, settings), workers, providers, min_face_size)
     out.mkdir(parents=True, exist_ok=True)
-
-    manifest_path = out / MANIFEST_FILE
     ranges = [(a, min(a + shard_size, len(photos))) for a in range(0, len(photos), shard_size)]
-    old = _read_meta(manifest_path) if manifest_path.exists() else None
-    if manifest_path.exists() and (old is None or old.get("fingerprint") != fingerprint):
-        raise DatasetMismatchError(
-            f"{out} already holds a dataset prepared from another photo list or other settings "
-            f"(source {old.get('source') if old else '?'}); use a new output folder or delete this one"
-        )
-    for meta_path in out.iterdir():  # shards of another job (e.g. another shard_size) must not mix
-        match = _META_RE.match(meta_path.name)
-        if match and int(match.group(1)) >= len(ranges):
-            raise DatasetMismatchError(
-                f"{meta_path} belongs to another preparation (this one has {len(ranges)} shards); "
-                "use a new output folder or delete this one"
-            )
-    metas: dict[int, dict[str, Any]] = {}
-    for k, photo_range in enumerate(ranges):
-        meta = _shard_complete(out, k, fingerprint, photo_range)
-        if meta is not None:
-            metas[k] = meta
+    old = _check_output_folder(job, len(ranges))
+    metas = _complete_shards(job, ranges)
     pending = [k for k in range(len(ranges)) if k not in metas]
     if old is not None and not pending:
-        dataset = load_prepared(out)
-        dataset.last_run = {
-            "photos_processed": 0,
-            "shards_written": 0,
-            "shards_reused": len(ranges),
-            "seconds": time.perf_counter() - started,
-        }
-        return dataset
-    manifest_path.unlink(missing_ok=True)  # the folder is incomplete until the manifest is rewritten
+        return _loaded(out, started, processed=0, written=0, reused=len(ranges))
+    (out / MANIFEST_FILE).unlink(missing_ok=True)  # the folder is incomplete until the manifest is rewritten
     for stale in out.glob(".*.tmp-*"):  # temporary files of a killed run
         stale.unlink(missing_ok=True)
+    processed = _align_pending(job, ranges, pending, metas, progress)
+    manifest = _finish(
+        src, out, identities=identities, photos=photos, ranges=ranges, metas=metas, excluded=excluded,
+        not_found=not_found, limit_identities=limit_identities, fingerprint=job.fingerprint,
+        settings=settings, providers=providers, workers=workers,
+    )  # fmt: skip
+    manifest["elapsed_seconds"] = round(time.perf_counter() - started, 3)
+    manifest["photos_processed"] = processed
+    _write_json(out / MANIFEST_FILE, manifest)  # last: the folder is complete from here on
+    dataset = _loaded(
+        out, started, processed=processed, written=len(pending), reused=len(ranges) - len(pending)
+    )
+    log.info("%s", dataset.summary())
+    return dataset
 
-    tasks = [(i, str(src / photos[i][0])) for k in pending for i in range(*ranges[k])]
+
+@dataclass(frozen=True)
+class _Job:
+    """What the shards of one preparation are made from."""
+
+    src: Path
+    out: Path
+    #: (path relative to ``src``, label) of every photo, in order.
+    photos: list[tuple[str, int]]
+    fingerprint: str
+    workers: int
+    providers: str
+    min_face_size: float
+
+
+def _check_output_folder(job: _Job, num_shards: int) -> dict[str, Any] | None:
+    """The manifest already in ``job.out`` (None: none); DatasetMismatchError when the folder holds
+    another preparation."""
+    manifest_path = job.out / MANIFEST_FILE
+    old = _read_meta(manifest_path) if manifest_path.exists() else None
+    if manifest_path.exists() and (old is None or old.get("fingerprint") != job.fingerprint):
+        raise DatasetMismatchError(
+            f"{job.out} already holds a dataset prepared from another photo list or other settings "
+            f"(source {old.get('source') if old else '?'}); use a new output folder or delete this one"
+        )
+    for meta_path in job.out.iterdir():  # shards of another job (e.g. another shard_size) must not mix
+        match = _META_RE.match(meta_path.name)
+        if match and int(match.group(1)) >= num_shards:
+            raise DatasetMismatchError(
+                f"{meta_path} belongs to another preparation (this one has {num_shards} shards); "
+                "use a new output folder or delete this one"
+            )
+    return old
+
+
+def _complete_shards(job: _Job, ranges: list[tuple[int, int]]) -> dict[int, dict[str, Any]]:
+    """The meta of every shard already complete in ``job.out``, by shard index."""
+    metas: dict[int, dict[str, Any]] = {}
+    for k, photo_range in enumerate(ranges):
+        meta = _shard_complete(job.out, k, job.fingerprint, photo_range)
+        if meta is not None:
+            metas[k] = meta
+    return metas
+
+
+def _loaded(out: Path, started: float, *, processed: int, written: int, reused: int) -> PreparedDataset:
+    """The finished folder, loaded, with what this call did as ``last_run``."""
+    dataset = load_prepared(out)
+    dataset.last_run = {
+        "photos_processed": processed,
+        "shards_written": written,
+        "shards_reused": reused,
+        "seconds": time.perf_counter() - started,
+    }
+    return dataset
+
+
+def _align_pending(
+    job: _Job,
+    ranges: list[tuple[int, int]],
+    pending: list[int],
+    metas: dict[int, dict[str, Any]],
+    progress: bool,
+) -> int:
+    """Align the photos of the ``pending`` shards and write each shard (its meta into ``metas``);
+    returns the number of photos processed."""
+    photos = job.photos
+    tasks = [(i, str(job.src / photos[i][0])) for k in pending for i in range(*ranges[k])]
     bar = _progress(len(photos), len(photos) - len(tasks), progress)
+    stream = aligned_results(tasks, job.workers, job.providers, job.min_face_size)
     processed = 0
-    stream = _results(tasks, workers, providers, min_face_size)
     try:
         for k in pending:
             first, last = ranges[k]
             shard_started = time.perf_counter()
-            crops = np.empty((last - first, *IMAGE_SHAPE), dtype=np.uint8)
-            kept_rows: list[int] = []
-            paths: list[str] = []
-            labels: list[int] = []
-            skipped: list[dict[str, str]] = []
-            for row in range(last - first):
-                index, crop, reason, message = next(stream)
-                if index != first + row:  # results come in task order; anything else is a bug
-                    raise RuntimeError(f"photo {index} arrived where photo {first + row} was expected")
-                rel, label = photos[index]
-                if crop is None:
-                    skipped.append({"path": rel, "reason": str(reason), "message": str(message)})
-                else:
-                    crops[row] = crop
-                    kept_rows.append(row)
-                    paths.append(rel)
-                    labels.append(label)
-                processed += 1
-                if bar is not None:
-                    bar.update(1)
+            crops, labels, paths, skipped = _collect_shard(stream, photos, first, last, bar)
+            processed += last - first
             metas[k] = _write_shard(
-                out,
-                k,
-                fingerprint,
-                (first, last),
-                crops[kept_rows],
-                np.asarray(labels, dtype=np.int64),
-                paths,
-                skipped,
+                job.out, k, job.fingerprint, (first, last), crops, labels, paths, skipped,
                 time.perf_counter() - shard_started,
-            )
+            )  # fmt: skip
     finally:
         stream.close()  # stops the worker pool, also when this loop fails or is interrupted
         if bar is not None:
             bar.close()
+    return processed
 
-    manifest = _finish(
-        src,
-        out,
-        identities=identities,
-        photos=photos,
-        ranges=ranges,
-        metas=metas,
-        excluded=excluded,
-        not_found=not_found,
-        limit_identities=limit_identities,
-        fingerprint=fingerprint,
-        settings=settings,
-        providers=providers,
-        workers=workers,
-    )
-    manifest["elapsed_seconds"] = round(time.perf_counter() - started, 3)
-    manifest["photos_processed"] = processed
-    _write_json(manifest_path, manifest)  # last: the folder is complete from here on
-    dataset = load_prepared(out)
-    dataset.last_run = {
-        "photos_processed": processed,
-        "shards_written": len(pending),
-        "shards_reused": len(ranges) - len(pending),
-        "seconds": time.perf_counter() - started,
-    }
-    log.info("%s", dataset.summary())
-    return dataset
+
+def _collect_shard(
+    stream: Iterator[tuple[int, np.ndarray | None, str | None, str | None]],
+    photos: list[tuple[str, int]],
+    first: int,
+    last: int,
+    bar: Any,
+) -> tuple[np.ndarray, np.ndarray, list[str], list[dict[str, str]]]:
+    """The results of photos ``first .. last - 1`` from ``stream``: the kept crops, their labels
+    and paths, and the skipped photos with their reasons."""
+    crops = np.empty((last - first, *IMAGE_SHAPE), dtype=np.uint8)
+    kept_rows: list[int] = []
+    paths: list[str] = []
+    labels: list[int] = []
+    skipped: list[dict[str, str]] = []
+    for row in range(last - first):
+        index, crop, reason, message = next(stream)
+        if index != first + row:  # results come in task order; anything else is a bug
+            raise RuntimeError(f"photo {index} arrived where photo {first + row} was expected")
+        rel, label = photos[index]
+        if crop is None:
+            skipped.append({"path": rel, "reason": str(reason), "message": str(message)})
+        else:
+            crops[row] = crop
+            kept_rows.append(row)
+            paths.append(rel)
+            labels.append(label)
+        if bar is not None:
+            bar.update(1)
+    return crops[kept_rows], np.asarray(labels, dtype=np.int64), paths, skipped
 
 
 def _finish(
