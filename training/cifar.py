@@ -1,4 +1,4 @@
-"""CIFAR-10 runs for SphereNet's claims (SPEC.md §4.4-4.5): a plain CNN-N, any operator, any head.
+"""CIFAR-10 runs for SphereNet's claims (SphereNet §4): a plain CNN-N, any operator, any head.
 
 ``sphereface train CONFIG`` runs one when the config says ``task = "cifar10"``::
 
@@ -481,8 +481,9 @@ def _summary(config: CifarConfig, model: CifarClassifier, rows: list[dict[str, A
 def _random_periodic_eval(run_dir: Path) -> bool:
     """Whether the run's periodic test accuracy came from a random sample of every class.
 
-    Runs before that fix checked the first ``eval_images`` test images, which are the first two
-    classes: their periodic points are not plotted, only the final accuracy on all 10,000.
+    A run folder whose summary has no ``periodic_eval`` checked the first ``eval_images`` test
+    images, which are the first two classes: its periodic points are not plotted, only the final
+    accuracy on all 10,000.
     """
     summary = run_dir / "summary.json"
     return summary.exists() and "periodic_eval" in json.loads(summary.read_text())
@@ -503,7 +504,7 @@ def plot_cifar_curves(run_dirs: list[Path], out: Path, title: str, labels: list[
         axes[1].plot(cols["step"], 100 * cols["accuracy"], lw=1.1, label=label)
         has = np.isfinite(cols["test_accuracy"])
         if not _random_periodic_eval(Path(run_dir)):
-            has &= cols["step"] == cols["step"][-1]  # early runs checked 2 classes only: final point
+            has &= cols["step"] == cols["step"][-1]  # a two-class periodic sample: the final point only
         axes[2].plot(cols["step"][has], 100 * cols["test_accuracy"][has], "o-", ms=3, lw=1.1, label=label)
     for ax, name in zip(axes, ("training loss", "training accuracy (%)", "test accuracy (%)"), strict=True):
         ax.set_title(name)

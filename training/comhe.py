@@ -1,4 +1,4 @@
-"""Compressive MHE (CoMHE, thesis Ch. 6, SPEC.md §5.2): hidden-layer MHE on projected neurons.
+"""Compressive MHE (CoMHE, thesis Ch. 6): hidden-layer MHE on projected neurons.
 
 MHE in a high dimension has many stationary points and deterministic gradients; CoMHE projects the
 (normalised) neurons of a layer to ``k`` dimensions and minimises the energy there (Eq. 6.3):

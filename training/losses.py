@@ -16,22 +16,22 @@ Heads (``HEADS`` / :func:`build_head`):
   kept (Eq. 2.18).
 * ``asoftmax`` -- :class:`ASoftmaxHead`: SphereFace A-Softmax, target logit ``||x|| psi(theta_y)``
   (Eq. 2.20) with ``cos(m theta)`` from the multi-angle polynomial (Eq. 2.7) and the lambda
-  annealing of SPEC §1.4 (:class:`LambdaSchedule`, the authors' Caffe schedule).
+  annealing of thesis App. A.7 (:class:`LambdaSchedule`, the authors' Caffe schedule).
 * ``sphereface_plus`` -- :class:`SphereFacePlusHead`: A-Softmax + output-layer MHE in the
   data-dependent mini-batch form of Eq. 5.8.
 * ``cosface`` -- :class:`CosFaceHead`: normalised features and weights, target ``s (cos - m)``.
 * ``arcface`` -- :class:`ArcFaceHead`: normalised features and weights, target ``s cos(theta + m)``
   (with a continuous, monotone fallback past ``theta = pi - m``, see :func:`arc_margin_cos`).
-* ``w_softmax`` / ``ga_softmax`` / ``s_softmax`` -- SphereNet's losses (SPEC §4.2):
+* ``w_softmax`` / ``ga_softmax`` / ``s_softmax`` -- SphereNet's losses (SphereNet §3):
   :class:`WSoftmaxHead` (Eq. 10, logits ``||x|| g(theta)``), :class:`GASoftmaxHead` (Eq. 11,
   target ``||x|| g(m theta)``; the cosine one is A-Softmax) and :class:`SSoftmaxHead`
   (``s g(theta)``), for ``g`` linear, cosine or sigmoid (:mod:`models.nets.hyperspherical`).
 
 Regularisers: :func:`mhe_energy` (Eq. 5.1 normalised per layer as in Eq. 5.4; half-space and
-angular variants, SPEC §3.4-3.5), :func:`output_mhe_loss` (Eq. 5.8 term) and :class:`HiddenMHE`
-(Eq. 5.4 hidden-layer term, with the random-neuron mini-batch approximation of SPEC §3.6).
+angular variants, thesis §5.3.4-5.3.5), :func:`output_mhe_loss` (Eq. 5.8 term) and :class:`HiddenMHE`
+(Eq. 5.4 hidden-layer term, with the random-neuron mini-batch approximation of thesis §5.3.6).
 
-Numerics shared by every MHE function (not in the papers, SPEC §3.1/§3.5): the Euclidean distance
+Numerics shared by every MHE function (the project's choice; the papers give none): the Euclidean distance
 between unit vectors is computed from their dot product as ``d = sqrt(max(2 - 2 w_i.w_j, 0) + eps)``
 with ``eps = MHE_EPS = 1e-6`` (so ``d >= 1e-3`` and duplicated neurons give a finite energy and a
 finite gradient); the angular distance is ``arccos(clamp(w_i.w_j, -1 + 1e-6, 1 - 1e-6))``.
@@ -129,7 +129,7 @@ def psi(c: Tensor, m: int) -> Tensor:
 
     ``c = cos(theta)``: any shape, values in [-1, 1]; ``m``: integer >= 1. ``k`` (the index of the
     interval ``[k pi/m, (k+1) pi/m]`` holding theta) is ``sum_{j=1}^{m-1} [c <= cos(j pi/m)]``
-    (SPEC §1.3), computed from ``c`` without arccos and without gradient. Returns values in
+    (thesis Eq. 2.7, §2.2.3), computed from ``c`` without arccos and without gradient. Returns values in
     ``[1 - 2m, 1]``, decreasing in theta, equal to ``cos(m theta)`` on ``[0, pi/m]``.
     """
     m = _check_margin(m)
@@ -144,7 +144,7 @@ def psi(c: Tensor, m: int) -> Tensor:
 
 @dataclass(frozen=True)
 class LambdaSchedule:
-    """Annealing weight ``lambda = max(minimum, base (1 + gamma i)^(-power))`` (SPEC §1.4).
+    """Annealing weight ``lambda = max(minimum, base (1 + gamma i)^(-power))`` (thesis App. A.7).
 
     The defaults are the authors' Caffe values (``base=1000, gamma=0.12, power=1, minimum=5``).
     ``i`` is Caffe's iteration counter, which ``MarginInnerProductLayer::Forward`` increments
@@ -229,7 +229,7 @@ class SoftmaxHead(nn.Module):
 
 
 class ASoftmaxHead(nn.Module):
-    """SphereFace A-Softmax classifier (Eq. 2.20) with lambda annealing (SPEC §1.4).
+    """SphereFace A-Softmax classifier (Eq. 2.20) with lambda annealing (thesis App. A.7).
 
     Weights are normalised to unit norm on every forward (inside the computation; the parameter is
     not modified), there is no bias, and the feature norm is kept. With ``c_j = cos(theta_j)``:
@@ -285,7 +285,7 @@ class ASoftmaxHead(nn.Module):
     ) -> Tensor:
         index = labels.view(-1, 1)
         cos_y = cos.gather(1, index)
-        # SPEC §1.4 annealing of the Eq. 2.20 target logit; non-target logits stay ||x|| cos(theta_j)
+        # thesis App. A.7 annealing of the Eq. 2.20 target logit; non-target logits stay ||x|| cos(theta_j)
         target = x_norm * (lam * cos_y + psi(cos_y, self.m)) / (1.0 + lam)
         return logits.scatter(1, index, target)
 
@@ -438,7 +438,7 @@ class ArcFaceHead(_NormalisedMarginHead):
 
 
 # ----------------------------------------------------------------------------------------------
-# SphereNet's losses on the hypersphere (SPEC §4.2): W-Softmax, GA-Softmax, S-Softmax
+# SphereNet's losses on the hypersphere (SphereNet §3): W-Softmax, GA-Softmax, S-Softmax
 # ----------------------------------------------------------------------------------------------
 
 
@@ -508,7 +508,7 @@ class WSoftmaxHead(GASoftmaxHead):
 
 
 class SSoftmaxHead(nn.Module):
-    """S-Softmax (SphereNet §3, SPEC §4.2): features and weights normalised, logits ``s g(theta_j)``.
+    """S-Softmax (SphereNet §3; thesis App. B.3): features and weights normalised, logits ``s g(theta_j)``.
 
     Hard to optimise from scratch at ``s = 1``; a scale ``s`` of 10 to 70 trains ([T] B.3).
     """
@@ -603,7 +603,7 @@ def mhe_energy(
     Eq. 5.1 over the L2-normalised rows (ordered pairs ``i != j``), divided by the number of ordered
     pairs as each layer term of Eq. 5.4. ``power`` is s >= 0 (0: logarithmic energy), ``distance``
     is ``"euclidean"`` or ``"angular"`` (A-MHE, Eq. 5.5). ``half_space=True`` adds the virtual
-    neurons ``-w_i`` and normalises by ``2N (2N-1)`` (SPEC §3.4). Returns a scalar tensor
+    neurons ``-w_i`` and normalises by ``2N (2N-1)`` (thesis §5.3.4). Returns a scalar tensor
     (0 when N < 2) differentiable w.r.t. ``weights``. Memory is O(N^2).
     """
     _check_kernel(power, distance)
@@ -623,7 +623,7 @@ def output_mhe_loss(weights: Tensor, labels: Tensor, power: int = 2, distance: s
 
     ``weights``: (C, D) classifier neurons (normalised here), ``labels``: (B,) int64 in [0, C).
     Returns ``1/(B (C-1)) sum_i sum_{j != y_i} f_s(d(w_{y_i}, w_j))`` (scalar, 0 when C < 2): each
-    sample's class neuron against all C neurons (SPEC §3.6).
+    sample's class neuron against all C neurons (thesis §5.3.6).
     """
     _check_kernel(power, distance)
     w = F.normalize(weights, dim=1)
@@ -653,7 +653,8 @@ def caffe_among_mhe_loss(weights: Tensor, labels: Tensor) -> Tensor:
     about 2M, so the step shrinks as ``1 / M^3``. In Caffe the neurons are unit vectors (the
     A-Softmax layer normalises the shared blob in place); here the normalised rows give D, the
     mean and the direction, and the update goes to the raw rows. The layer recomputes D every
-    10 iterations; here every call. SPEC §3.10 asks for Eq. 5.8 with this form as an option.
+    10 iterations; here every call. The heads use Eq. 5.8 (thesis §5.5.2) unless asked for this form
+    (the project's option, to compare with the authors' released layer).
     """
     return caffe_among_term_and_distance(weights, labels)[0]
 
@@ -676,8 +677,8 @@ class HiddenMHE:
     Every ``nn.Conv2d`` and ``nn.Linear`` of the model passed to ``__call__`` is one layer; each
     kernel (``C_in/groups x k x k`` filter, or a row of a linear layer) flattened is one neuron, so
     ``N = out_channels``. Pass the backbone, not the classifier head: Eq. 5.4 regularises the output
-    layer separately. ``weight=None`` picks the papers' defaults (SPEC §3.9): 10 for full-space MHE,
-    1 for half-space MHE. ``max_neurons``: mini-batch approximation (SPEC §3.6), a random subset of
+    layer separately. ``weight=None`` picks the papers' defaults (thesis App. D.1): 10 for full-space MHE,
+    1 for half-space MHE. ``max_neurons``: mini-batch approximation (thesis §5.3.6), a random subset of
     at most that many neurons per layer on every call (drawn with ``generator`` if given).
     """
 
