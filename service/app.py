@@ -220,7 +220,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SphereFaceError)
     async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, headers=getattr(exc, "headers", None))  # e.g. Retry-After
 
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)

@@ -56,13 +56,23 @@ GALLERY_SCHEMA = 2
 SEARCH_BATCH = 1000
 
 _ADD_FACE = """
--- KEYS: subject, subject faces, face, model faces, photo, rev, changes
+-- KEYS: subject, subject faces, face, model faces, photo, rev, changes, subjects
 -- ARGV: face_id, subject_id, model_id, sha256, created_at, embedding, box, landmarks,
---       detection_score, source, max_faces, stream_maxlen, region jpeg, region landmarks
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'subject_not_found', ''} end
+--       detection_score, source, max_faces, stream_maxlen, region jpeg, region landmarks,
+--       create ('1': a missing subject is created with this face), subject score
+local create = 0
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[15] ~= '1' then return {'subject_not_found', ''} end
+  create = 1
+end
 local existing = redis.call('GET', KEYS[5])
 if existing then return {'duplicate_photo', existing} end
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[11]) then return {'too_many_faces', ''} end
+if create == 1 then
+  redis.call('HSET', KEYS[1], 'id', ARGV[2], 'name', '', 'metadata', '{}', 'created_at', ARGV[5],
+    'updated_at', ARGV[5])
+  redis.call('ZADD', KEYS[8], ARGV[16], ARGV[2])
+end
 redis.call('SET', KEYS[5], ARGV[1])
 redis.call('HSET', KEYS[3], 'subject', ARGV[2], 'model_id', ARGV[3], 'photo_sha256', ARGV[4],
   'created_at', ARGV[5], 'embedding', ARGV[6], 'box', ARGV[7], 'landmarks', ARGV[8],
@@ -75,7 +85,7 @@ redis.call('SADD', KEYS[4], ARGV[1])
 local rev = redis.call('INCR', KEYS[6])
 redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[12], '*', 'rev', rev, 'op', 'add', 'face', ARGV[1],
   'subject', ARGV[2], 'model', ARGV[3])
-return {'ok', tostring(rev)}
+return {'ok', tostring(rev), create}
 """
 
 _REMOVE_FACES = """
@@ -211,6 +221,8 @@ class FaceRecord:
     #: whether the region around the face is stored (``face_region``)
     has_region: bool = False
     embedding: np.ndarray | None = field(default=None, repr=False)
+    #: the subject was created with this face (``add_faces_bulk(create_subjects=True)``)
+    subject_created: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -297,7 +309,7 @@ class GalleryStore:
         return Subject(subject_id, name, metadata or {}, created, created, 0, 0)
 
     def ensure_subjects(self, subject_ids: Sequence[str]) -> list[str]:
-        """Create the subjects that do not exist yet (bulk enrollment); returns those created."""
+        """Create the subjects that do not exist yet, faces or not; returns those created."""
         created = []
         for sid in dict.fromkeys(subject_ids):
             try:
@@ -458,10 +470,15 @@ class GalleryStore:
         return self.add_faces_bulk([(subject_id, face) for face in faces], model_id)
 
     def add_faces_bulk(
-        self, items: Sequence[tuple[str, NewFace]], model_id: str
+        self, items: Sequence[tuple[str, NewFace]], model_id: str, *, create_subjects: bool = False
     ) -> list[FaceRecord | ServiceError]:
-        """Enroll (subject id, face) pairs in one round trip; each is atomic on its own."""
+        """Enroll (subject id, face) pairs in one round trip; each is atomic on its own.
+
+        ``create_subjects``: a subject that does not exist is created together with its first face
+        that is stored (that record has ``subject_created``), never without one; otherwise its
+        faces get ``subject_not_found``. The caller checks the ids (:func:`check_subject_id`)."""
         created = now_iso()
+        score = repr(time.time())
         face_ids = [new_face_id() for _ in items]
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
@@ -475,6 +492,7 @@ class GalleryStore:
                         self.photo_key(model_id, face.photo_sha256),
                         self.rev_key,
                         self.changes_key,
+                        self.subjects_key,
                     ],
                     args=[
                         face_id,
@@ -491,12 +509,16 @@ class GalleryStore:
                         STREAM_MAXLEN,
                         face.region.jpeg if face.region is not None else b"",
                         json.dumps(face.region.landmarks.tolist()) if face.region is not None else "",
+                        "1" if create_subjects else "0",
+                        score,
                     ],
                     client=pipe,
                 )
             replies = pipe.execute()
         results: list[FaceRecord | ServiceError] = []
-        for face_id, (subject_id, face), (status, detail) in zip(face_ids, items, replies, strict=True):
+        for face_id, (subject_id, face), (status, detail, *made) in zip(
+            face_ids, items, replies, strict=True
+        ):
             status = _s(status)
             if status == "ok":
                 results.append(
@@ -511,6 +533,7 @@ class GalleryStore:
                         landmarks=face.landmarks,
                         detection_score=face.detection_score,
                         has_region=face.region is not None,
+                        subject_created=bool(made and int(made[0])),
                     )
                 )
             elif status == "subject_not_found":

@@ -1,14 +1,19 @@
-"""What the routes share: app state, bodies that are photos or JSON, photos to faces."""
+"""What the routes share: app state, bodies that are photos or JSON (strictly read), photos to
+faces, and the face-path turns (detection and embedding) apart from the Redis work."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -17,7 +22,7 @@ from models.errors import FacePathError, ImageTooLargeError, SphereFaceError
 from models.image import DecodedPhoto, decode_photo, image_size
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
-from service.admission import PixelBudget
+from service.admission import PixelBudget, Ticket
 from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
 from service.gallery.face_images import REGION_MAX_SIDE, REGION_SCALE, FaceRegion, cut_face_region
 from service.memory import IDLE_TRIM
@@ -25,9 +30,70 @@ from service.metrics import Metrics
 from service.schemas import Face
 from service.settings import Settings
 
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
 
 class UnsupportedMediaTypeError(ServiceError):
     code = "unsupported_media_type"
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (``json.loads`` object_pairs_hook)."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise InvalidRequestError(
+            f"the JSON body holds the key {repeated[:64]!r} more than once in one object; "
+            "each key may appear once (which one counts would depend on the parser)"
+        )
+    return found
+
+
+def parse_json(body: bytes) -> Any:
+    """A JSON body as Python values; an object with a repeated key is refused (422
+    ``invalid_request``). Raises ``ValueError`` (``json.JSONDecodeError``) for text that is not
+    JSON."""
+    return json.loads(body, object_pairs_hook=_unique_keys)
+
+
+class StrictJsonRequest(Request):
+    """A request whose ``json()`` refuses repeated keys (:func:`parse_json`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json(await self.body())
+        return self._json
+
+
+class StrictRoute(APIRoute):
+    """The route class of every router of the API: JSON bodies FastAPI reads go through
+    :func:`parse_json`, and a multipart form FastAPI reads with more parts than Starlette's limit
+    is 413 ``too_many_photos`` like a form over the service's own limit (not Starlette's 400)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            try:
+                return await handler(StrictJsonRequest(request.scope, request.receive))
+            except StarletteHTTPException as exc:
+                limit = request.app.state.settings.max_photos_per_request
+                error = form_limit_error(exc, f"at most {limit} photos per request")
+                if error is None:
+                    raise
+                raise error from exc
+
+        return strict
+
+
+def form_limit_error(exc: StarletteHTTPException, photos: str) -> ServiceError | None:
+    """The 413 ``too_many_photos`` of Starlette's error for a form over its part limits, or None."""
+    detail = str(exc.detail)
+    if exc.status_code != 400 or not detail.startswith(("Too many files", "Too many fields")):
+        return None
+    return TooManyPhotosError(f"{photos}; the form has too many parts ({detail})")
 
 
 def face_schema(face: DetectedFace) -> Face:
@@ -38,28 +104,34 @@ async def read_body(request: Request, model: type[BaseModel], *, max_files: int)
     """The request's JSON body validated as ``model``, or its multipart form (photos)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
-        try:
-            return model.model_validate_json(await request.body())
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err.get('msg')}"
-                for err in exc.errors()
-            )
-            raise InvalidRequestError(problems) from exc
+        return validate_json(model, await request.body())
     if content_type == "multipart/form-data":
         try:
             return await request.form(max_files=max_files, max_fields=max_files + 64)
         except StarletteHTTPException as exc:  # Starlette's 400 for a form over its limits
-            detail = str(exc.detail)
-            if "Too many files" in detail:
-                raise TooManyPhotosError(f"at most {max_files} photos per request") from exc
-            if "Too many fields" in detail:
-                raise TooManyPhotosError(f"at most {max_files + 64} form fields per request") from exc
-            raise InvalidRequestError(f"the multipart form could not be read: {detail}") from exc
+            limit_error = form_limit_error(exc, f"at most {max_files} photos per request")
+            if limit_error is not None:
+                raise limit_error from exc
+            raise InvalidRequestError(f"the multipart form could not be read: {exc.detail}") from exc
     raise UnsupportedMediaTypeError(
         "send photos as multipart/form-data or embeddings as application/json, "
         f"not {content_type or 'nothing'!r}"
     )
+
+
+def validate_json(model: type[M], raw: bytes) -> M:
+    """A JSON body (:func:`parse_json`: no repeated keys) validated as ``model``; every problem is
+    422 ``invalid_request`` with the fields at fault named."""
+    try:
+        return model.model_validate(parse_json(raw))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err.get('msg')}"
+            for err in exc.errors()
+        )
+        raise InvalidRequestError(problems) from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise InvalidRequestError(f"the request body is not JSON: {exc}") from exc
 
 
 def form_files(form: FormData, name: str, *, required: bool = True) -> list[UploadFile]:
@@ -88,12 +160,30 @@ class FaceWork:
     """Photos to faces to embeddings, each stage timed in the metrics."""
 
     def __init__(
-        self, pipeline: FacePipeline, settings: Settings, metrics: Metrics, budget: PixelBudget | None = None
+        self,
+        pipeline: FacePipeline,
+        settings: Settings,
+        metrics: Metrics,
+        budget: PixelBudget | None = None,
+        ticket: Ticket | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.settings = settings
         self.metrics = metrics
         self.budget = budget or PixelBudget(2 * settings.max_image_pixels)
+        self.ticket = ticket or Ticket(None)
+
+    async def in_turn(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` (decoding, detection, embedding: no Redis) on a face thread, during one
+        of the worker's face-path turns (:mod:`service.admission`; 503 ``overloaded`` when none
+        comes in time)."""
+        return await self.ticket.run(work, *args)
+
+    async def off_turn(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` (Redis work) in the thread pool, holding no turn nor a place in the
+        queue: a stalled Redis holds back only the requests that need it."""
+        async with self.ticket.aside():
+            return await run_in_threadpool(call, *args)
 
     def read(self, upload: UploadFile) -> tuple[np.ndarray, str]:
         """Read and decode an upload within the limits; returns the image and the bytes' SHA-256."""
@@ -178,9 +268,12 @@ class FaceWork:
         return {"status": exc.code, "message": exc.message}
 
 
-def get_face_work(request: Request) -> FaceWork:
+async def get_face_work(request: Request) -> FaceWork:
+    """The face work of a request, with its place in the face-path queue (a dependency; async:
+    it waits on nothing, so it takes no thread)."""
     state = request.app.state
-    return FaceWork(state.pipeline, state.settings, state.metrics, state.pixel_budget)
+    ticket = getattr(request.state, "face_ticket", None)
+    return FaceWork(state.pipeline, state.settings, state.metrics, state.pixel_budget, ticket)
 
 
 def openapi_body(
@@ -216,7 +309,7 @@ def openapi_body(
     return {"requestBody": {"required": True, "content": content}}
 
 
-def reject_unknown_query(request: Request) -> None:
+async def reject_unknown_query(request: Request) -> None:
     """A dependency of every ``/v1`` route: a query parameter the route does not take is a 422
     that names it (a typo such as ``?thresold=`` must not pass unnoticed)."""
     route = request.scope.get("route")

@@ -14,6 +14,7 @@ from service.gallery.store import check_embedding
 from service.routes.common import (
     FaceWork,
     PhotoFaces,
+    StrictRoute,
     face_schema,
     form_files,
     get_face_work,
@@ -30,7 +31,7 @@ from service.schemas import (
 from service.schemas import PhotoFaces as PhotoFacesOut
 
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422)}
-router = APIRouter(tags=["faces"], responses=ERRORS)
+router = APIRouter(tags=["faces"], responses=ERRORS, route_class=StrictRoute)
 
 
 @router.post(
@@ -39,7 +40,7 @@ router = APIRouter(tags=["faces"], responses=ERRORS)
     response_model=EmbedResponse,
     summary="Every face of one or more photos, with its embedding",
 )
-def embed(
+async def embed(
     work: Annotated[FaceWork, Depends(get_face_work)],
     photos: Annotated[list[UploadFile], File(description="one or more photos (JPEG, PNG, WebP, ...)")],
     aligned: Annotated[
@@ -51,12 +52,18 @@ def embed(
 ) -> EmbedResponse:
     """Each photo gets a status: `ok` with its faces, or an error code (`no_face`,
     `unreadable_image`, `image_too_large`, `wrong_crop_size`) and a message."""
-    settings, manifest = work.settings, work.pipeline.manifest
+    settings = work.settings
     if len(photos) > settings.max_photos_per_request:
         raise TooManyPhotosError(
             f"{len(photos)} photos sent; at most {settings.max_photos_per_request} photos per request "
             "(SPHEREFACE_MAX_PHOTOS_PER_REQUEST)"
         )
+    return await work.in_turn(_embed, work, photos, aligned, faces)
+
+
+def _embed(work: FaceWork, photos: list[UploadFile], aligned: bool, policy: str) -> EmbedResponse:
+    """The faces and embeddings of each photo (a face-path turn's work)."""
+    manifest = work.pipeline.manifest
     items: list[PhotoFacesOut] = []
     found: list[PhotoFaces | None] = []
     for index, upload in enumerate(photos):
@@ -75,7 +82,7 @@ def embed(
                 else:
                     photo = PhotoFaces(sha, [], image[None])
             else:
-                photo = work.detect(upload, faces)
+                photo = work.detect(upload, policy)
         except SphereFaceError as exc:  # the photo's own failure, overloaded included
             error = work.error(exc)
             item.status, item.message = error["status"], error["message"]
@@ -126,7 +133,9 @@ async def verify(
     Errors: `no_face`, `multiple_faces` (policy reject), `unreadable_image`, `invalid_embedding`
     (422), `image_too_large` (413)."""
     body = await read_body(request, VerifyEmbeddings, max_files=2)
-    return await run_in_threadpool(_verify, work, body, multiple_faces)
+    if isinstance(body, VerifyEmbeddings):
+        return await run_in_threadpool(_verify, work, body, multiple_faces)
+    return await work.in_turn(_verify, work, body, multiple_faces)
 
 
 def _verify(work: FaceWork, body, policy: str) -> VerifyResponse:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
 
 from models.errors import SphereFaceError
 from service.auth import require_admin, require_read
@@ -25,7 +24,14 @@ from service.gallery.store import (
     check_subject_id,
     embedding_sha256,
 )
-from service.routes.common import FaceWork, form_files, get_face_work, openapi_body, read_body
+from service.routes.common import (
+    FaceWork,
+    StrictRoute,
+    form_files,
+    get_face_work,
+    openapi_body,
+    read_body,
+)
 from service.schemas import (
     BulkEmbeddings,
     EnrollItem,
@@ -45,7 +51,7 @@ from service.schemas import (
 #: Paging offsets above this are refused (422): Redis ranges are 64-bit, Python ints are not.
 MAX_OFFSET = 1_000_000_000
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 413, 415, 422, 503)}
-router = APIRouter(tags=["gallery"], responses=ERRORS)
+router = APIRouter(tags=["gallery"], responses=ERRORS, route_class=StrictRoute)
 SubjectId = Annotated[str, Path(description="the subject's id", max_length=128)]
 EnrollPolicy = Annotated[
     Literal["reject", "largest", "central"],
@@ -56,11 +62,11 @@ EnrollPolicy = Annotated[
 ]
 
 
-def get_store(request: Request) -> GalleryStore:
+async def get_store(request: Request) -> GalleryStore:
     return request.app.state.store
 
 
-def get_model_id(request: Request) -> str:
+async def get_model_id(request: Request) -> str:
     """The served model's id: subject answers count the faces of this model."""
     return request.app.state.pipeline.manifest.model_id
 
@@ -74,7 +80,8 @@ def _subject(subject: Subject) -> SubjectOut:
 
 
 def _face(face: FaceRecord) -> FaceOut:
-    fields = {k: v for k, v in face.__dict__.items() if k not in ("embedding", "has_region")}
+    hidden = ("embedding", "has_region", "subject_created")
+    fields = {k: v for k, v in face.__dict__.items() if k not in hidden}
     embedding = None if face.embedding is None else face.embedding.tolist()
     return FaceOut(**fields, has_image=face.has_region, embedding=embedding)
 
@@ -177,16 +184,17 @@ async def add_faces(
     (`no_face`, `multiple_faces`, `unreadable_image`, `image_too_large`, `duplicate_photo`,
     `invalid_embedding`). JSON bodies `{"embeddings": [[...], ...]}` enroll embeddings of this
     model. The subject must exist (`subject_not_found`, 404)."""
-    store.get_subject(subject_id)
+    await work.off_turn(store.get_subject, subject_id)
     body = await read_body(request, FaceEmbeddings, max_files=work.settings.max_bulk_items)
     if isinstance(body, FaceEmbeddings):
         check_embedding_sizes(body.embeddings, work.pipeline.manifest.output_size)
-        items = [(subject_id, v) for v in body.embeddings]
-        return await run_in_threadpool(_enroll_embeddings, store, work, items, [])
-    uploads = form_files(body, "photos")
-    return await run_in_threadpool(
-        _enroll_photos, store, work, [(subject_id, u) for u in uploads], multiple_faces, []
-    )
+        ready, failed = _embeddings_ready(work, [(subject_id, v) for v in body.embeddings])
+        filenames: dict[int, str | None] = {}
+    else:
+        uploads = [(subject_id, u) for u in form_files(body, "photos")]
+        filenames = {index: upload.filename for index, (_, upload) in enumerate(uploads)}
+        ready, failed = await work.in_turn(_photos_ready, work, uploads, multiple_faces)
+    return await work.off_turn(_store, store, work, ready, failed, filenames, False)
 
 
 @router.get(
@@ -276,7 +284,9 @@ async def enroll(
     """Multipart: files `photos` and, for each, a text field `subjects` (same order). JSON:
     `{"subjects": [...], "embeddings": [[...], ...], "create_subjects": false}`. Each item is
     enrolled on its own and gets its own status (see `POST /v1/subjects/{id}/faces`); photos are
-    embedded in batches. At most `SPHEREFACE_MAX_BULK_ITEMS` items per request."""
+    embedded in batches. At most `SPHEREFACE_MAX_BULK_ITEMS` items per request. With
+    `create_subjects`, a subject is created only with its first face that is stored: a subject
+    whose items all fail is not created."""
     limit = work.settings.max_bulk_items
     body = await read_body(request, BulkEmbeddings, max_files=limit)
     if isinstance(body, BulkEmbeddings):
@@ -294,13 +304,15 @@ async def enroll(
         )
     for sid in subjects:
         check_subject_id(sid)
-    if isinstance(body, BulkEmbeddings):  # before any subject is created
-        check_embedding_sizes(payload, work.pipeline.manifest.output_size)
-    created = await run_in_threadpool(store.ensure_subjects, subjects) if create_subjects else []
     items = list(zip(subjects, payload, strict=True))
-    if isinstance(body, BulkEmbeddings):
-        return await run_in_threadpool(_enroll_embeddings, store, work, items, created)
-    return await run_in_threadpool(_enroll_photos, store, work, items, multiple_faces, created)
+    filenames: dict[int, str | None] = {}
+    if isinstance(body, BulkEmbeddings):  # before anything is stored
+        check_embedding_sizes(payload, work.pipeline.manifest.output_size)
+        ready, failed = _embeddings_ready(work, items)
+    else:
+        filenames = {index: upload.filename for index, upload in enumerate(payload)}
+        ready, failed = await work.in_turn(_photos_ready, work, items, multiple_faces)
+    return await work.off_turn(_store, store, work, ready, failed, filenames, create_subjects)
 
 
 def check_embedding_sizes(vectors: list[list[float]], size: int) -> None:
@@ -314,38 +326,41 @@ def check_embedding_sizes(vectors: list[list[float]], size: int) -> None:
         )
 
 
-def _enroll_embeddings(store: GalleryStore, work: FaceWork, items, created: list[str]) -> EnrollResponse:
+Ready = list[tuple[int, str, NewFace]]
+
+
+def _embeddings_ready(work: FaceWork, items) -> tuple[Ready, list[EnrollItem]]:
+    """Client embeddings as faces to store (unit vectors), and the items refused
+    (`invalid_embedding`)."""
     dim = work.pipeline.manifest.output_size
-    results: list[EnrollItem] = []
-    ready: list[tuple[int, str, NewFace]] = []
+    failed: list[EnrollItem] = []
+    ready: Ready = []
     for index, (subject_id, values) in enumerate(items):
         try:
             vector = check_embedding(values, dim)
         except ServiceError as exc:
-            results.append(
+            failed.append(
                 EnrollItem(index=index, subject_id=subject_id, status=exc.code, message=exc.message)
             )
             continue
         ready.append((index, subject_id, NewFace(vector, embedding_sha256(vector), source="embedding")))
-    return _store(store, work, ready, results, created, filenames={})
+    return ready, failed
 
 
-def _enroll_photos(
-    store: GalleryStore, work: FaceWork, items, policy: str, created: list[str]
-) -> EnrollResponse:
-    results: list[EnrollItem] = []
+def _photos_ready(work: FaceWork, items, policy: str) -> tuple[Ready, list[EnrollItem]]:
+    """Detect one face per photo and embed them in one batch (a face-path turn's work: no Redis);
+    returns the faces to store and the photos that failed, each with its error code."""
+    failed: list[EnrollItem] = []
     detected = []
-    filenames = {}
     keep_region = work.settings.store_face_images
     for index, (subject_id, upload) in enumerate(items):
-        filenames[index] = upload.filename
         try:
             detected.append((index, subject_id, work.detect(upload, policy, region=keep_region)))
         except SphereFaceError as exc:  # the photo's own failure, overloaded included
             error = work.error(exc)
-            results.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
+            failed.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
     vectors = work.embed([photo.crops[:1] for _, _, photo in detected])
-    ready = []
+    ready: Ready = []
     for (index, subject_id, photo), vector in zip(detected, vectors, strict=True):
         face = photo.faces[0]
         new = NewFace(
@@ -357,26 +372,32 @@ def _enroll_photos(
             region=photo.region,
         )
         ready.append((index, subject_id, new))
-    return _store(store, work, ready, results, created, filenames)
+    return ready, failed
 
 
 def _store(
     store: GalleryStore,
     work: FaceWork,
-    ready: list[tuple[int, str, NewFace]],
+    ready: Ready,
     results: list[EnrollItem],
-    created: list[str],
     filenames: dict[int, str | None],
+    create_subjects: bool,
 ) -> EnrollResponse:
-    """Write the enrollable faces in one round trip and merge their outcomes with the failures."""
+    """Write the enrollable faces in one round trip (``create_subjects``: a missing subject is
+    created with its first face stored) and merge their outcomes with the failures."""
     with work.metrics.stage("redis"):
-        outcomes = store.add_faces_bulk([(s, f) for _, s, f in ready], work.pipeline.manifest.model_id)
+        outcomes = store.add_faces_bulk(
+            [(s, f) for _, s, f in ready], work.pipeline.manifest.model_id, create_subjects=create_subjects
+        )
+    created: list[str] = []
     for (index, subject_id, _), outcome in zip(ready, outcomes, strict=True):
         item = EnrollItem(index=index, filename=filenames.get(index), subject_id=subject_id, status="ok")
         if isinstance(outcome, ServiceError):
             item.status, item.message = outcome.code, outcome.message
         else:
             item.face = _face(outcome)
+            if outcome.subject_created:
+                created.append(subject_id)
         results.append(item)
     results.sort(key=lambda item: item.index)
     enrolled = sum(item.status == "ok" for item in results)

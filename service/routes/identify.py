@@ -10,12 +10,23 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.auth import require_read
 from service.errors import ServiceError
+from service.gallery.index import SubjectHit
 from service.gallery.store import check_embedding
-from service.routes.common import FaceWork, face_schema, form_files, get_face_work, openapi_body, read_body
+from service.routes.common import (
+    FaceWork,
+    StrictRoute,
+    face_schema,
+    form_files,
+    get_face_work,
+    openapi_body,
+    read_body,
+)
 from service.schemas import Candidate, ErrorResponse, FaceEmbeddings, IdentifiedFace, IdentifyResponse
 
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
-router = APIRouter(tags=["identify"], responses=ERRORS, dependencies=[Depends(require_read)])
+router = APIRouter(
+    tags=["identify"], responses=ERRORS, dependencies=[Depends(require_read)], route_class=StrictRoute
+)
 
 
 class NoThresholdError(ServiceError):
@@ -52,56 +63,80 @@ async def identify(
     `unknown`. The threshold is the model's `identification` threshold (calibrated for a
     false-accept rate of 1e-4 per comparison), else its `verification` one."""
     body = await read_body(request, FaceEmbeddings, max_files=1)
-    return await run_in_threadpool(_identify, request.app.state, work, body, k, faces, threshold)
-
-
-def _identify(state, work: FaceWork, body, k: int | None, policy: str, threshold: float | None):
-    manifest = work.pipeline.manifest
+    chosen = _threshold(work, threshold)
     k = k or work.settings.identify_top_k
-    if threshold is not None:
-        chosen = (threshold, None, "request")
-    else:
-        known = manifest.thresholds.get("identification") or manifest.thresholds.get("verification")
-        if known is None:
-            raise NoThresholdError(
-                f"model {manifest.model_id} has no calibrated threshold: pass ?threshold=<cosine>"
-            )
-        chosen = (known.value, known.far, known.source)
+    manifest = work.pipeline.manifest
     if isinstance(body, FaceEmbeddings):
-        vectors = np.stack([check_embedding(v, manifest.output_size) for v in body.embeddings])
+        vectors = await run_in_threadpool(_checked, body.embeddings, manifest.output_size)
         detected = [None] * len(vectors)
     else:
-        photo = work.detect(form_files(body, "photo")[0], policy)
-        vectors = work.embed(photo.crops)
-        detected = photo.faces
-    with work.metrics.stage("search"):
-        results = state.search.search(vectors, k)
-    with work.metrics.stage("redis"):
-        names = state.store.subject_names(sorted({hit.subject_id for hits in results for hit in hits}))
-    out = []
-    for face, hits in zip(detected, results, strict=True):
-        candidates = [
-            Candidate(subject_id=h.subject_id, name=names.get(h.subject_id), score=h.score, face_id=h.face_id)
-            for h in hits
-        ]
-        best = candidates[0] if candidates else None
-        is_known = best is not None and best.score >= chosen[0]
-        out.append(
-            IdentifiedFace(
-                **(face_schema(face).model_dump() if face is not None else {}),
-                status="known" if is_known else "unknown",
-                subject_id=best.subject_id if is_known else None,
-                name=best.name if is_known else None,
-                score=best.score if best else None,
-                candidates=candidates,
-            )
-        )
+        upload = form_files(body, "photo")[0]
+        detected, vectors = await work.in_turn(_detect_and_embed, work, upload, faces)
+    state = request.app.state
+    results, names, searched = await work.off_turn(_search, state, work, vectors, k)
     return IdentifyResponse(
         model_id=manifest.model_id,
         threshold=chosen[0],
         threshold_far=chosen[1],
         threshold_source=chosen[2],
         k=k,
-        gallery_faces=len(state.search),
-        faces=out,
+        gallery_faces=searched,
+        faces=[
+            _identified(face, hits, names, chosen[0]) for face, hits in zip(detected, results, strict=True)
+        ],
+    )
+
+
+def _threshold(work: FaceWork, threshold: float | None) -> tuple[float, float | None, str | None]:
+    """The cosine threshold (value, false-accept rate, source): the request's, else the model's
+    identification threshold, else its verification one (422 ``no_threshold`` without any)."""
+    if threshold is not None:
+        return threshold, None, "request"
+    manifest = work.pipeline.manifest
+    known = manifest.thresholds.get("identification") or manifest.thresholds.get("verification")
+    if known is None:
+        raise NoThresholdError(
+            f"model {manifest.model_id} has no calibrated threshold: pass ?threshold=<cosine>"
+        )
+    return known.value, known.far, known.source
+
+
+def _checked(embeddings: list[list[float]], dim: int) -> np.ndarray:
+    """Client embeddings as unit vectors of the model's size (422 ``invalid_embedding``)."""
+    return np.stack([check_embedding(v, dim) for v in embeddings])
+
+
+def _detect_and_embed(work: FaceWork, upload, policy: str):
+    """The faces of one photo and their embeddings (a face-path turn's work: no Redis)."""
+    photo = work.detect(upload, policy)
+    return photo.faces, work.embed(photo.crops)
+
+
+def _search(state, work: FaceWork, vectors: np.ndarray, k: int):
+    """The top-k subjects of each face, the names of every subject found, and the number of
+    faces searched (Redis work: the search refreshes from Redis, or runs in it)."""
+    with work.metrics.stage("search"):
+        results = state.search.search(vectors, k)
+    with work.metrics.stage("redis"):
+        names = state.store.subject_names(sorted({hit.subject_id for hits in results for hit in hits}))
+    return results, names, len(state.search)
+
+
+def _identified(
+    face, hits: list[SubjectHit], names: dict[str, str | None], threshold: float
+) -> IdentifiedFace:
+    """One face's answer: its candidates, best first, and whether the best reaches the threshold."""
+    candidates = [
+        Candidate(subject_id=h.subject_id, name=names.get(h.subject_id), score=h.score, face_id=h.face_id)
+        for h in hits
+    ]
+    best = candidates[0] if candidates else None
+    is_known = best is not None and best.score >= threshold
+    return IdentifiedFace(
+        **(face_schema(face).model_dump() if face is not None else {}),
+        status="known" if is_known else "unknown",
+        subject_id=best.subject_id if is_known else None,
+        name=best.name if is_known else None,
+        score=best.score if best else None,
+        candidates=candidates,
     )
