@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from typing import Annotated, Any, Literal
 
@@ -73,9 +74,11 @@ Vector = Annotated[list[float], Field(min_length=1, max_length=4096)]
 
 class RequestBody(BaseModel):
     """A JSON request body: a field the API does not know is an error that names it (a typo such
-    as ``nmae`` must not pass unnoticed)."""
+    as ``nmae`` must not pass unnoticed), and values are taken as they are typed (strict): a
+    number is a JSON number, not a string such as ``"0.1"`` nor ``true``; a flag is ``true`` or
+    ``false``, not ``1`` nor ``"yes"``. Integers are numbers (``1`` is ``1.0``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class VerifyEmbeddings(RequestBody):
@@ -95,14 +98,52 @@ class BulkEmbeddings(RequestBody):
 
 # -- gallery --------------------------------------------------------------------------------
 MAX_METADATA_BYTES = 8192
-#: Characters that reorder or hide text (bidirectional controls, e.g. U+202E) are refused in names.
-BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: Unicode categories refused in names: controls (Cc: NUL, ESC, CR, LF, tab ...), format
+#: characters (Cf: zero-width spaces and joiners, the soft hyphen, bidirectional controls such as
+#: U+202E, tags), line and paragraph separators (Zl, Zp: U+2028, U+2029). A name is one line of
+#: visible text; these would hide, reorder or break it where it is shown or logged.
+NAME_REFUSED_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 
 
-#: What the OpenAPI document says of names (the validator below enforces it and trims spaces).
-NAME_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u202a-\\u202e\\u2066-\\u2069]*$"
-#: Subject ids (``service.gallery.store.check_subject_id`` enforces it).
-SUBJECT_ID_PATTERN = "^[A-Za-z0-9_.@:-]{1,128}$"
+#: The Unicode planes searched for them: the others hold only ideographs (2, 3), nothing yet (4-13)
+#: or private use characters (15, 16).
+NAME_SCANNED_PLANES = (0, 1, 14)
+
+
+def _refused_ranges() -> list[tuple[int, int]]:
+    """The code point ranges of :data:`NAME_REFUSED_CATEGORIES` (this Python's Unicode data)."""
+    ranges: list[tuple[int, int]] = []
+    for code in (c for plane in NAME_SCANNED_PLANES for c in range(plane << 16, (plane + 1) << 16)):
+        if unicodedata.category(chr(code)) in NAME_REFUSED_CATEGORIES:
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+    return ranges
+
+
+def _class_char(code: int) -> str:
+    """A code point in a regex character class: escaped in the BMP (``\\xNN``, ``\\uNNNN``, read
+    alike by ECMA-262 and Python), the character itself beyond (no escape means it in both)."""
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
+
+
+#: What the OpenAPI document says of names: no character of :data:`NAME_REFUSED_CATEGORIES`
+#: (the validator below enforces this very pattern, and trims spaces).
+NAME_PATTERN = (
+    "^[^"
+    + "".join(
+        _class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}" for a, b in _refused_ranges()
+    )
+    + "]*$"
+)
+_NAME_REFUSED = re.compile(NAME_PATTERN[1:-2].replace("[^", "[", 1))
+#: Subject ids: 1-128 letters, digits or ``_ . - @ :``, not only dots (``.`` and ``..`` are path
+#: segments that URLs drop: such a subject could not be addressed). Enforced by
+#: ``service.gallery.store.check_subject_id``.
+SUBJECT_ID_PATTERN = "^[A-Za-z0-9_.@:-]*[A-Za-z0-9_@:-][A-Za-z0-9_.@:-]*$"
 
 
 def _no_surrogates(text: str, where: str) -> None:
@@ -111,14 +152,17 @@ def _no_surrogates(text: str, where: str) -> None:
 
 
 def clean_name(value: str | None) -> str | None:
-    """A name as people read it: NFC-normalised, no control characters (NUL, ESC, line breaks,
-    tabs), no bidirectional overrides, no lone surrogates; surrounding spaces removed."""
+    """A name as people read it: NFC-normalised, one line of visible text (no character of
+    :data:`NAME_REFUSED_CATEGORIES`), no lone surrogates; surrounding spaces removed."""
     if value is None:
         return None
     _no_surrogates(value, "the name")
-    bad = sorted({f"U+{ord(c):04X}" for c in value if unicodedata.category(c) == "Cc" or c in BIDI_CONTROLS})
+    bad = sorted({f"U+{ord(c):04X}" for c in _NAME_REFUSED.findall(value)})
     if bad:
-        raise ValueError(f"the name holds control characters ({', '.join(bad)}): use plain text")
+        raise ValueError(
+            f"the name holds control characters or invisible format characters ({', '.join(bad[:8])}): "
+            "use one line of plain text"
+        )
     return unicodedata.normalize("NFC", value).strip()
 
 
@@ -147,9 +191,9 @@ def _small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
 class SubjectCreate(RequestBody):
     id: str | None = Field(
         None,
-        description="1-128 letters, digits or _ . - @ : (generated when left out)",
+        description="1-128 letters, digits or _ . - @ :, not only dots (generated when left out)",
         examples=["alice.smith"],
-        json_schema_extra={"pattern": SUBJECT_ID_PATTERN},
+        json_schema_extra={"pattern": SUBJECT_ID_PATTERN, "minLength": 1, "maxLength": 128},
     )
     name: str | None = Field(
         None, max_length=256, examples=["Alice Smith"], json_schema_extra={"pattern": NAME_PATTERN}

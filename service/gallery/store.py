@@ -146,10 +146,17 @@ def now_iso() -> str:
 
 
 def check_subject_id(subject_id: str) -> str:
-    """Subject ids: 1-128 characters of letters, digits and ``_ . - @ :``."""
-    if not 1 <= len(subject_id) <= 128 or not set(subject_id) <= SUBJECT_ID_CHARS:
+    """Subject ids: 1-128 characters of letters, digits and ``_ . - @ :``, not only dots (``.``
+    and ``..`` are path segments that URLs drop, RFC 3986 §5.2.4: such a subject could never be
+    read, changed or deleted by its URL; ``...`` goes with them to keep the rule plain)."""
+    if (
+        not 1 <= len(subject_id) <= 128
+        or not set(subject_id) <= SUBJECT_ID_CHARS
+        or not subject_id.strip(".")
+    ):
         raise InvalidRequestError(
-            f"subject id {subject_id[:140]!r} is not valid: use 1-128 letters, digits or _ . - @ :"
+            f"subject id {subject_id[:140]!r} is not valid: use 1-128 letters, digits or _ . - @ :, "
+            "not only dots"
         )
     return subject_id
 
