@@ -83,14 +83,14 @@ class Settings(BaseSettings):
     max_face_requests: int | None = Field(
         None,
         ge=1,
-        description="face-path requests (verify, embed, identify, enroll) at work at once per "
-        "worker; null: one per CPU core, at least 2",
+        description="face-path requests (verify, embed, identify, enroll) detecting and embedding at "
+        "once per worker (a request waiting on Redis holds no turn); null: one per CPU core, at least 2",
     )
     max_queued_requests: int | None = Field(
         None,
         ge=0,
-        description="face-path requests waiting for a turn per worker (null: 4 per slot); "
-        "beyond them the answer is 503 overloaded with Retry-After",
+        description="face-path requests waiting for a turn per worker, their body read meanwhile "
+        "(null: 4 per slot); beyond them the answer is 503 overloaded with Retry-After",
     )
     queue_wait: float = Field(10.0, gt=0, description="seconds a queued request waits before 503 overloaded")
     decode_pixel_budget: int | None = Field(
