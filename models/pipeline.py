@@ -139,8 +139,14 @@ class FacePipeline:
         """
         found = self._find(photo.image, policy)
         source = photo.finer(self._reduction_for(found, photo.reduction, min_face_side))
+        # MTCNN's landmarks are ``x1 + fraction * (x2 - x1 + 1)`` of a crop cut from pixel x1's left
+        # edge to x2's right edge: they are measured from pixel edges, so they scale about the
+        # image's corner (half a pixel off the pixel-centre mapping, which moved them 0.5 px on
+        # LFW at 1/2 scale). The crops are cut from them as the full decode's are.
         faces = [
-            DetectedFace(box=photo.box_to_full(f.box), score=f.score, landmarks=photo.to_full(f.landmarks))
+            DetectedFace(
+                box=photo.box_to_full(f.box), score=f.score, landmarks=photo.to_full(f.landmarks - 0.5) + 0.5
+            )
             for f in found
         ]
         points = source.from_full(np.stack([f.landmarks for f in faces]))
