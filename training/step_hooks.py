@@ -18,7 +18,7 @@ Each call visits the hooks in their order; the loops add no optional work of the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +64,7 @@ class StepHooks:
     def __init__(self, hooks: Iterable[StepHook] = ()) -> None:
         self.hooks = list(hooks)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[StepHook]:
         return iter(self.hooks)
 
     def __len__(self) -> int:
