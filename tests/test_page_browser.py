@@ -423,6 +423,35 @@ def test_a_read_key_sees_the_gallery_but_cannot_change_it(page, gallery, module_
     assert page.find_all("#enroll-photos") == []
 
 
+def test_the_page_waits_out_a_rate_limit_instead_of_failing(page, gallery, module_redis):
+    """A read key (50 requests/s, burst 100 by default) asking for 140 things at once, as a gallery
+    of many faces asks for its thumbnails: the requests refused with 429 are sent again after
+    Retry-After, and every one succeeds."""
+    read_key, _ = create_key(module_redis.client(), "read", name="browser burst")
+    page.open(key=read_key)
+    outcome = page.driver.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        const seen = [];
+        const realFetch = window.fetch;
+        window.fetch = async (...args) => {
+          const response = await realFetch(...args);
+          seen.push(response.status);
+          return response;
+        };
+        import(new URL("static/js/api.js", document.baseURI)).then(async ({ api }) => {
+          const calls = Array.from({ length: 140 }, () => api("v1/subjects"));
+          const results = await Promise.allSettled(calls);
+          window.fetch = realFetch;
+          done({ failed: results.filter((r) => r.status === "rejected").length,
+                 refused: seen.filter((s) => s === 429).length });
+        });
+        """
+    )
+    assert outcome["refused"] > 0  # the limit was reached ...
+    assert outcome["failed"] == 0  # ... and the page waited it out
+
+
 # -- keyboard, phone width, docs --------------------------------------------------------------
 
 

@@ -1,6 +1,8 @@
 // Calls to the service's REST API from the page: the API key of this tab, typed errors.
 
 const KEY_STORAGE = "sphereface.apiKey";
+/** How many times a request refused with 429 rate_limited is sent again after its Retry-After. */
+const RATE_LIMIT_RETRIES = 3;
 
 /** An answer that is not a success, with the API's machine-readable code and human message. */
 export class ApiError extends Error {
@@ -61,10 +63,17 @@ export async function api(path, { method = "GET", query, json, form, as = "json"
     body = form;
   }
   let response;
-  try {
-    response = await fetch(url(path, query), { method, headers, body });
-  } catch {
-    throw new ApiError("Could not reach the service. Is it still running?", "network_error", 0);
+  for (let attempt = 0; ; attempt++) {
+    try {
+      response = await fetch(url(path, query), { method, headers, body });
+    } catch {
+      throw new ApiError("Could not reach the service. Is it still running?", "network_error", 0);
+    }
+    // A key over its rate limit is refused before its body is read, so sending again is safe:
+    // wait as long as Retry-After says (a gallery of many faces asks for many thumbnails at once).
+    const wait = Number(response.headers.get("Retry-After"));
+    if (response.status !== 429 || attempt >= RATE_LIMIT_RETRIES || !(wait > 0) || wait > 10) break;
+    await new Promise((resolve) => setTimeout(resolve, wait * 1000));
   }
   if (!response.ok) throw await failure(response);
   return as === "blob" ? response.blob() : response.json();
