@@ -1,13 +1,13 @@
 """What OPT and compressive MHE cost per training step against plain training (CoMHE Table E.5).
 
 Each variant is a config of ``training/configs/opt/cifar`` (CNN-6 at 32 channels, batch 128, the
-runs of docs/opt.md §6), plus group CoMHE. One process builds every variant as its run would
+runs of docs/results/opt-claims.md), plus group CoMHE. One process builds every variant as its run would
 (``training.cifar.build_training``) and times the run's own step (``training.cifar.optimiser_step``:
 forward, regularisers, backward, OPT's and SGD's updates) on one fixed batch, interleaved: round r
 times every variant in turn. Every figure is the median of ``--rounds`` rounds with the smallest
 and largest round beside it, and its ratio to the baseline in the same round.
 
-There is no cost at inference: the exported network is the plain one (docs/opt.md §1).
+There is no cost at inference: the exported network is the plain one (docs/reference/opt.md §1).
 
 Usage::
 

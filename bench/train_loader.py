@@ -10,7 +10,7 @@ A-Softmax m = 4, backward, SGD) fed by
   files (quality 95), decoded with PIL in ``--workers`` processes, flipped and normalised there,
   ``pin_memory=True`` (the way most SphereFace/ArcFace PyTorch projects feed their GPUs).
 
-Goal (issue #3): 10,000 images/s or more for SphereFace-20, batch 256, bf16, on one H100 with
+Goal: 10,000 images/s or more for SphereFace-20, batch 256, bf16, on one H100 with
 our loader. Usage::
 
     python bench/train_loader.py --data .cache/data/celeba_faces --network sphereface20 \\

@@ -105,6 +105,23 @@ def test_no_text_cites_the_tracker_or_files_outside_the_repository():
     assert found == []
 
 
+def test_docs_named_in_code_and_make_targets_exist():
+    """A docstring, help text or Makefile comment that sends a reader to ``docs/...md`` names a doc
+    that is there."""
+    named = re.compile(r"\bdocs/[\w./-]+\.md\b")
+    missing = []
+    for path in project_text_files():
+        if path.suffix == ".md" or path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            missing += [
+                f"{path.relative_to(REPO_ROOT)}:{number}: {doc}"
+                for doc in named.findall(line)
+                if not (REPO_ROOT / doc).exists()
+            ]
+    assert missing == []
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A broken link, a missing heading and both kinds of reference are reported."""
     monkeypatch.setitem(globals(), "REPO_ROOT", tmp_path)

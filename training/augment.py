@@ -2,7 +2,7 @@
 
 The papers train with one augmentation, the horizontal flip. On a small training set (the 13k
 faces of celeba_faces + celeba_small) a network fits every face long before it generalises
-(docs/training.md §7), and the usual remedy is to show it a slightly different crop each time.
+(docs/results/sphereface-celeba.md), and the usual remedy is to show it a slightly different crop each time.
 Each option is off at 0, so a config that sets none of them trains exactly as before:
 
 * ``shift``: translation up to this fraction of the crop's width and height, each axis drawn

@@ -282,7 +282,7 @@ class TrainConfig(RunConfig):
     #: Pairs per fold for the periodic check (None: all 600); the final check always uses all.
     lfw_pairs_per_fold: int | None = None
     #: Stop with a clear error when the mean feature norm ||x|| of a log interval falls below this
-    #: fraction of the first interval's (the collapse of docs/training.md §6: loss -> ln C,
+    #: fraction of the first interval's (the collapse of docs/results/loss-comparison.md §1: loss -> ln C,
     #: accuracy -> 0); 0 turns the check off.
     feature_norm_collapse: float = 0.02
     #: 0: only at the end (and at ``--until-step``).
@@ -309,7 +309,8 @@ class TrainConfig(RunConfig):
     REMOVED_FIELDS: ClassVar[dict[str, str]] = {
         "lambda_scale_to_run": (
             "lambda_scale_to_run was removed: squeezing the lambda schedule into a short run dropped "
-            "lambda to its floor within a few steps and collapsed the features (docs/training.md §6). "
+            "lambda to its floor within a few steps and collapsed the features "
+            "(docs/results/loss-comparison.md §1). "
             "The schedule now follows the authors' iterations; delete the line (or set "
             "lambda_floor_epochs for a different warm phase)"
         ),

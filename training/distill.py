@@ -14,7 +14,8 @@ distance-wise term, here on cosines, the service's score).
 
 The teacher is any model folder (``sphereface models``), run on ONNX Runtime on the batch the
 student sees: the CPU's threads are shared with training (set ``threads``), on a GPU run its CUDA
-provider. It is not a method of the SphereFace papers: docs/training.md §7 reports what it gives.
+provider. It is not a method of the SphereFace papers: docs/results/sphereface-celeba.md reports
+what it gives.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``sphereface export``: a training checkpoint -> a model folder the service and the evaluators use.
 
-Only the embedding network is exported (up to FC1; the classifier is training-only, SPEC §1.9),
+Only the embedding network is exported (up to FC1; the classifier is training-only, thesis Table 2.7),
 as ONNX with a dynamic batch axis, checked against PyTorch on ONNX Runtime. With an LFW folder,
 the new model folder is evaluated with ``sphereface evaluate lfw``'s job (through ONNX Runtime,
 the service's path; by default on crops aligned with our MTCNN's landmarks, as the service and
@@ -92,7 +92,7 @@ def export_checkpoint(
         landmarks: where the LFW evaluation's landmarks come from: ``"detect"`` (default; our
             MTCNN, face nearest the centre: the landmarks the served model sees, and those
             ``sphereface prepare`` aligned its training data with) or ``"file"``
-            (``landmarks.txt``, about 1 px off ours: docs/face_path.md), for comparison with
+            (``landmarks.txt``, about 1 px off ours: docs/results/face-path.md), for comparison with
             published numbers. Calibration always uses our MTCNN's landmarks.
         parity_atol: largest accepted |ONNX - PyTorch| on random inputs (SphereFace nets have
             no BatchNorm, so their raw features are large: the default is 1e-3).

@@ -1,4 +1,5 @@
-"""The tables and curves of docs/hyperspherical.md, from finished runs (``make hyperspherical-table``).
+"""The tables and curves of docs/results/hyperspherical.md (discussed in
+docs/results/hyperspherical-claims.md), from finished runs (``make hyperspherical-table``).
 
 Usage::
 

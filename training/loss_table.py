@@ -14,7 +14,7 @@ Columns: LFW 10-fold accuracy (official protocol, crops aligned with our MTCNN's
 training data, PyTorch features), the
 angular Fisher score of the LFW features (Eq. A.1, people with 2+ images; lower = more
 discriminative), and the hyperspherical energy of the classifier weights (normalised E_2 and
-E_0 of SPEC.md §3.1, lower = more spread out), plus the minimum / nearest-neighbour angle
+E_0, thesis Eq. 5.1, lower = more spread out), plus the minimum / nearest-neighbour angle
 between classifier neurons, the final training accuracy and mean feature norm ||x||.
 """
 

@@ -12,7 +12,7 @@ Two measures, for each run given:
   term lowers in expectation: a batch's classes are drawn by photo), over the classes with 2
   photos, over those with 5 or more, and among the 2-photo classes only.
 
-Usage (docs/training.md §6.4)::
+Usage (docs/results/loss-comparison.md §3)::
 
     python -m training.mhe_diagnostics runs/celeba_more/sf4_asoftmax_m4_finetune \\
         runs/celeba_more/sf4_sphereface_plus_finetune \\

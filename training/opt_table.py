@@ -1,4 +1,5 @@
-"""The tables and curves of docs/opt.md from finished CIFAR-10 runs (``make opt-table``).
+"""The tables and curves of docs/results/opt.md (discussed in docs/results/opt-claims.md) from
+finished CIFAR-10 runs (``make opt-table``).
 
 Usage::
 

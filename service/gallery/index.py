@@ -34,7 +34,7 @@ class SubjectHit:
 
 #: From this many faces on, :meth:`VectorIndex.search` scans an int8 copy of the vectors and
 #: re-ranks exactly (service/gallery/int8_scan.py), for vectors of at most INT8_SCAN_MAX_DIM
-#: numbers. Measured by bench/gallery_scan.py (docs/service.md, "Search at 10M faces"): at 128
+#: numbers. Measured by bench/gallery_scan.py (docs/results/service.md, "Search at 10M faces"): at 128
 #: numbers int8 is 2.0x faster than float32 at 1M faces and 2.9x at 10M; at 512 numbers ONNX
 #: Runtime's one-column integer product is compute-bound and float32 is faster (0.86x).
 INT8_SCAN_MIN_FACES = 1_000_000
