@@ -51,6 +51,21 @@ class EmbeddedFace:
     embedding: np.ndarray
 
 
+def faces_to_full(photo: DecodedPhoto, faces: list[DetectedFace]) -> list[DetectedFace]:
+    """Faces detected on a (possibly reduced) decode, in pixels of the full-size photo.
+
+    MTCNN's landmarks are ``x1 + fraction * (x2 - x1 + 1)`` of crops cut from pixel x1's left edge
+    to x2's right edge: measured from pixel edges, they scale about the image's corner, half a
+    pixel off the pixel-centre mapping (which put them 0.5 px off the full decode's on LFW at 1/2).
+    """
+    return [
+        DetectedFace(
+            box=photo.box_to_full(f.box), score=f.score, landmarks=photo.to_full(f.landmarks - 0.5) + 0.5
+        )
+        for f in faces
+    ]
+
+
 class FacePipeline:
     """Detector + alignment + embedder for one model folder.
 
@@ -139,17 +154,8 @@ class FacePipeline:
         """
         found = self._find(photo.image, policy)
         source = photo.finer(self._reduction_for(found, photo.reduction, min_face_side))
-        # MTCNN's landmarks are ``x1 + fraction * (x2 - x1 + 1)`` of a crop cut from pixel x1's left
-        # edge to x2's right edge: they are measured from pixel edges, so they scale about the
-        # image's corner (half a pixel off the pixel-centre mapping, which moved them 0.5 px on
-        # LFW at 1/2 scale). The crops are cut from them as the full decode's are.
-        faces = [
-            DetectedFace(
-                box=photo.box_to_full(f.box), score=f.score, landmarks=photo.to_full(f.landmarks - 0.5) + 0.5
-            )
-            for f in found
-        ]
-        points = source.from_full(np.stack([f.landmarks for f in faces]))
+        faces = faces_to_full(photo, found)
+        points = source.from_full(np.stack([f.landmarks for f in faces]))  # cut as the full decode's
         return PhotoCrops(faces, align_faces(source.image, points, self.template), source)
 
     def _reduction_for(self, faces: list[DetectedFace], reduction: int, min_face_side: float) -> int:
