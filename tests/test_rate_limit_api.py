@@ -6,8 +6,6 @@ take every face-path slot."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.fault_load import paced_verifies, start_hammer
 from service.app import create_app, load_pipeline
 from service.auth import create_key
 from service.settings import Settings
@@ -104,59 +103,6 @@ def test_every_keyed_operation_documents_429_with_retry_after() -> None:
 RATE, BURST = 2, 2  # read keys in the next test: 2 requests a second, 2 at once
 PAUSE = 0.6  # seconds the quiet key waits between its requests: always under its rate
 
-#: A client in a process of its own (so that it holds no lock of the test's process) that sends
-#: the same verify request from two threads as fast as it is answered, until its stdin closes;
-#: it says "ready" after its first answer and prints its answers, as JSON, at the end.
-HAMMER = """
-import collections, json, sys, threading, httpx
-url, key, body_file, content_type = sys.argv[1:5]
-body = open(body_file, "rb").read()
-answers, lock, stop = collections.Counter(), threading.Lock(), threading.Event()
-def hammer():
-    with httpx.Client(base_url=url, headers={"X-API-Key": key, "Content-Type": content_type}) as c:
-        while not stop.is_set():
-            r = c.post("/v1/verify", content=body)
-            code = r.json().get("code") if r.status_code != 200 else None
-            with lock:
-                answers[f"{r.status_code} {code} {r.headers.get('retry-after')}"] += 1
-                if sum(answers.values()) == 1:
-                    print("ready", flush=True)
-threads = [threading.Thread(target=hammer) for _ in range(2)]
-for t in threads:
-    t.start()
-sys.stdin.read()
-stop.set()
-for t in threads:
-    t.join()
-print(json.dumps(answers), flush=True)
-"""
-
-
-def paced_verifies(client, files: dict, count: int) -> list[float]:
-    """``count`` verifies, each :data:`PAUSE` seconds after the previous one's answer; their
-    latencies in seconds."""
-    latencies = []
-    for _ in range(count):
-        time.sleep(PAUSE)
-        began = time.monotonic()
-        response = client.post("/v1/verify", files=files)
-        latencies.append(time.monotonic() - began)
-        assert response.status_code == 200, response.text
-    return latencies
-
-
-def start_hammer(url: str, key: str, files: dict, folder: Path) -> subprocess.Popen:
-    """The :data:`HAMMER` client on ``url`` with ``key``, once it has had its first answer."""
-    import httpx
-
-    request = httpx.Request("POST", f"{url}/v1/verify", files=files)
-    body = folder / "verify.body"
-    body.write_bytes(request.read())
-    command = [sys.executable, "-c", HAMMER, url, key, str(body), request.headers["content-type"]]
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "ready"
-    return process
-
 
 @pytest.mark.slow
 @pytest.mark.shared_data
@@ -185,16 +131,18 @@ def test_a_noisy_key_gets_429_while_a_quiet_key_keeps_its_latency(
     service = Service(default_model_dir, workdir / "api", redis_server.url, extra_env=env)
     try:
         with httpx.Client(base_url=service.url, headers={"X-API-Key": quiet}, timeout=60) as client:
-            paced_verifies(client, files, 2)  # warm up
-            alone = paced_verifies(client, files, 5)
+            paced_verifies(client, files, 2, PAUSE)  # warm up
+            quiet_alone = paced_verifies(client, files, 5, PAUSE)
             began = time.monotonic()
             hammer = start_hammer(service.url, noisy, files, workdir)
-            during = paced_verifies(client, files, 5)
+            quiet_during = paced_verifies(client, files, 5, PAUSE)
             out, _ = hammer.communicate("", timeout=60)
             seconds = time.monotonic() - began
     finally:
         service.stop()
         redis_server.stop()
+    assert set(quiet_alone.statuses) == set(quiet_during.statuses) == {200}
+    alone, during = quiet_alone.seconds, quiet_during.seconds
     answers = json.loads(out)
     served = answers.get("200 None None", 0)
     print(

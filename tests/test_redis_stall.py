@@ -7,23 +7,19 @@ requests gave no answer within 30 s.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import signal
-import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.fault_load import under_load
 from service.app import create_app
 from service.auth import create_key
 from service.redis_server import LocalRedis
-from service.serve_process import HEADERS, Service
+from service.serve_process import Service
 from service.settings import Settings
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
@@ -103,88 +99,6 @@ def test_a_killed_redis_gets_503_at_once_and_a_restarted_one_is_used_again(
 # -- a paused Redis does not hold back what needs no Redis -------------------------------------
 
 
-@dataclass
-class Probe:
-    """Latencies (seconds) and statuses of one kind of request, and the time they were sent over."""
-
-    seconds: list[float] = field(default_factory=list)
-    statuses: list[int] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    ended: float = 0.0
-
-    def quantile(self, q: float) -> float:
-        ordered = sorted(self.seconds)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def rate(self) -> float:
-        return len(self.seconds) / max(self.ended - self.started, 1e-9)
-
-    def summary(self) -> str:
-        s = self.seconds
-        return (
-            f"n={len(s)} {self.rate():.1f}/s min {min(s) * 1e3:.0f} median {self.quantile(0.5) * 1e3:.0f} "
-            f"p90 {self.quantile(0.9) * 1e3:.0f} max {max(s) * 1e3:.0f} ms"
-        )
-
-    def timed(self, call) -> None:
-        start = time.monotonic()
-        try:
-            status = call().status_code
-        except httpx.TimeoutException:
-            status = 0
-        self.seconds.append(time.monotonic() - start)
-        self.statuses.append(status)
-
-
-def _closed_loop(url: str, stop: threading.Event, probe: Probe, send) -> None:
-    """Send ``send(client)`` again as soon as it is answered, until ``stop``."""
-    with httpx.Client(base_url=url, headers=HEADERS, timeout=60) as client:
-        while not stop.is_set():
-            probe.timed(lambda: send(client))
-    probe.ended = time.monotonic()
-
-
-def _liveness(url: str, stop: threading.Event, probe: Probe, every: float = 0.1) -> None:
-    """A probe as an orchestrator sends it: every ``every`` seconds whatever the answers before
-    (so a blocked event loop shows in the latencies of all the probes it holds, not just one)."""
-    with httpx.Client(base_url=url, timeout=5) as client, cf.ThreadPoolExecutor(16) as pool:
-        while not stop.wait(every):
-            pool.submit(probe.timed, lambda: client.get("/healthz"))
-    probe.ended = time.monotonic()
-
-
-def _under_load(url: str, photos: list[Path], verifies: int, at_least_s: float) -> dict[str, Probe]:
-    """One client enrolling and one identifying in a loop, /healthz probed in a loop and as a
-    liveness probe, while at least ``verifies`` photo verifications (and ``at_least_s`` seconds
-    of them) are timed one after the other."""
-    data = [p.read_bytes() for p in photos]
-    probes = {name: Probe() for name in ("healthz", "liveness", "enroll", "identify", "verify")}
-    senders = {
-        "healthz": lambda c: c.get("/healthz"),
-        "enroll": lambda c: c.post("/v1/subjects/load/faces", files=[("photos", data[2])]),
-        "identify": lambda c: c.post("/v1/identify", files={"photo": data[3]}),
-    }
-    stop = threading.Event()
-    threads = [threading.Thread(target=_liveness, args=(url, stop, probes["liveness"]))]
-    threads += [
-        threading.Thread(target=_closed_loop, args=(url, stop, probes[name], send))
-        for name, send in senders.items()
-    ]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.5)  # the load is running
-    verify = probes["verify"]
-    verify.started = time.monotonic()
-    with httpx.Client(base_url=url, headers=HEADERS, timeout=60) as client:
-        while len(verify.seconds) < verifies or time.monotonic() - verify.started < at_least_s:
-            verify.timed(lambda: client.post("/v1/verify", files={"photo1": data[0], "photo2": data[1]}))
-    verify.ended = time.monotonic()
-    stop.set()
-    for thread in threads:
-        thread.join(60)
-    return probes
-
-
 def test_a_paused_redis_does_not_slow_health_checks_or_verify(
     default_model_dir, photos_dir, redis_binary, workdir
 ):
@@ -214,9 +128,9 @@ def test_a_paused_redis_does_not_slow_health_checks_or_verify(
             "/v1/verify", files={"photo1": photos[0].read_bytes(), "photo2": photos[1].read_bytes()}
         )
         assert warm.status_code == 200, warm.text
-        running = _under_load(service.url, photos, verifies=6, at_least_s=5)
+        running = under_load(service.url, photos, verifies=6, at_least_s=5)
         with paused(server):
-            stalled = _under_load(service.url, photos, verifies=6, at_least_s=5)
+            stalled = under_load(service.url, photos, verifies=6, at_least_s=5)
         report = "\n".join(
             f"{name:9s} running: {running[name].summary()}\n{'':9s} paused:  {stalled[name].summary()}"
             for name in running
