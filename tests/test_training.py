@@ -371,6 +371,42 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
         assert [int(r["step"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4, 5, 6]
 
 
+S_OPT = ("opt=cp", "opt_options={ stochastic_dims = 4, inner_steps = 2 }")
+RP_COMHE = (
+    "hidden_mhe_weight=1.0", 'hidden_mhe_projection="random"',
+    "hidden_mhe_options={ dim = 5, projections = 2, redraw_every = 3 }",
+)  # fmt: skip
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize(
+    ("options", "hooks"),
+    [
+        (S_OPT, ["OPTRefinement", "OPTTraining", "HeadRenormalisation"]),
+        (RP_COMHE, ["HiddenMHEHook", "HeadRenormalisation"]),
+    ],
+    ids=["s_opt", "rp_comhe"],
+)
+def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tiny_prepared, tmp_path, options, hooks):
+    """S-OPT's generator picks the dimensions to rotate every ``inner_steps`` steps; CoMHE's draws
+    projections every ``redraw_every`` calls and uses them in between. Both are carried over in the
+    checkpoint, so the run interrupted at step 4 (between two draws) ends with the same weights as
+    the one that was not."""
+    from training.trainer import train
+
+    extra = ("steps=6", "checkpoint_every=0", "head=asoftmax", *options)
+    whole_config = load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "whole", *extra))
+    whole = train(whole_config, progress=False)
+    config = load_config(None, _smoke_overrides(tiny_prepared, tmp_path, "parts", *extra))
+    train(config, progress=False, until_step=4)
+    second = train(config, resume=True, progress=False)
+    a = torch.load(whole.run_dir / "checkpoint.pt", weights_only=True)
+    b = torch.load(second.run_dir / "checkpoint.pt", weights_only=True)
+    assert [entry["hook"] for entry in a["hooks"]] == hooks
+    for key, value in a["net"].items():
+        assert torch.equal(value, b["net"][key]), f"net.{key} differs after resuming"
+
+
 @pytest.mark.shared_data
 def test_fine_tuning_starts_from_another_runs_network_and_classifier(tiny_prepared, tmp_path):
     from training.trainer import train

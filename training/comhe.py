@@ -173,6 +173,8 @@ class CompressiveMHE:
         """The current (C, k, d) projection of layer ``index`` (shared by dimension when ``share``)."""
         key = self._key(index, dim)
         current = self._projections.get(key)
+        if current is not None and current.device != device:  # restored from a checkpoint
+            current = self._projections[key] = current.to(device)
         if current is None or (self.calls % self.redraw_every == 0 and key not in self._fresh):
             count = self.options.projections if self.projection == "random" else 1
             current = self._draw(count, dim, device)
@@ -188,6 +190,25 @@ class CompressiveMHE:
             (grad,) = torch.autograd.grad(loss, p)
             p = (p - self.options.ap_lr * grad).detach().requires_grad_(True)
         self._projections[key] = p.detach()[None]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator, the call counter and the current projections (on the CPU): what a
+        resumed run needs to draw and use the same projections as an uninterrupted one."""
+        return {
+            "generator": self.generator.get_state(),
+            "calls": self.calls,
+            "projections": [
+                [list(key) if isinstance(key, tuple) else key, value.detach().cpu()]
+                for key, value in self._projections.items()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.calls = int(state["calls"])
+        self._projections = {
+            tuple(key) if isinstance(key, list) else key: value for key, value in state["projections"]
+        }
 
     # -- the regulariser ------------------------------------------------------------------------
 

@@ -110,6 +110,13 @@ class OPTTraining(StepHook):
         for param in stochastic_outer_step_(self.net, self.generator):
             optimizer.state.pop(param, None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """S-OPT's generator, which draws the next dimensions to rotate."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
 
 class OPTRefinement(StepHook):
     """Before a fresh run: the refinement of the fixed neurons ``v`` that ``refine_steps`` asks for

@@ -38,6 +38,15 @@ class HiddenMHEHook(StepHook):
     def penalty(self, inputs: StepInputs) -> Tensor:
         return self.regulariser(inputs.net)
 
+    def state_dict(self) -> dict[str, Any]:
+        """CoMHE's generator, call counter and current projections (plain MHE keeps none: its
+        random neurons come from torch's global generator, which the checkpoint keeps)."""
+        return self.regulariser.state_dict() if hasattr(self.regulariser, "state_dict") else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.regulariser, "load_state_dict"):
+            self.regulariser.load_state_dict(state)
+
 
 class OrthogonalityHook(StepHook):
     """``weight * sum_layers ||W^T W - I||_F^2`` over the hyperspherical layers (SphereNet §2.4)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +57,14 @@ class StepHook:
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """After ``optimizer.step()`` of step ``step`` (0-based)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hook must carry over a resume for the run to continue exactly (random
+        generators, counters, drawn projections); tensors and plain values only."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave."""
 
 
 class StepHooks:
@@ -94,3 +103,20 @@ class StepHooks:
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         for hook in self.hooks:
             hook.after_step(optimizer, step)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every hook's state with its class name, in the hooks' order (for the checkpoint)."""
+        return [{"hook": type(hook).__name__, "state": hook.state_dict()} for hook in self.hooks]
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        """Give each hook its state back.
+
+        Raises:
+            ValueError: the checkpoint's hooks are not this run's (another config).
+        """
+        names = [type(hook).__name__ for hook in self.hooks]
+        saved = [entry["hook"] for entry in states]
+        if saved != names:
+            raise ValueError(f"the checkpoint's step hooks {saved} are not this run's {names}")
+        for hook, entry in zip(self.hooks, states, strict=True):
+            hook.load_state_dict(entry["state"])

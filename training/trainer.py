@@ -393,6 +393,8 @@ def _resume_from(run: _Run, state: dict[str, Any]) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     run.start_step = int(state["step"])
     run.health.first_feature_norm = state.get("first_feature_norm")
+    if "hooks" in state:
+        run.hooks.load_state_dict(state["hooks"])
     processes = state.get("processes") or []
     if len(processes) == run.ctx.world_size:
         restore_process_state(processes[run.ctx.rank], run.loader, run.ctx.device)
@@ -426,6 +428,7 @@ def _save_run_checkpoint(run: _Run, step: int, metrics: dict[str, Any]) -> None:
             "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(),
             "processes": processes,
+            "hooks": run.hooks.state_dict(),
             "first_feature_norm": run.health.first_feature_norm,
             "metrics": metrics,
         },
