@@ -31,7 +31,8 @@ class Settings(BaseSettings):
         1024,
         ge=48,
         description="detect in photos with a longer side over this as if scaled down to it (faster; "
-        "faces under min_face_size * side / detect_max_side are not looked for); null: full size",
+        "faces under min_face_size * side / detect_max_side are not looked for; a JPEG is decoded at "
+        "the smallest DCT scale, 1/2 to 1/8, still this large); null: full size",
     )
     largest_face_search: Literal["coarse-to-fine", "full"] = Field(
         "coarse-to-fine",
