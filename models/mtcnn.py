@@ -281,7 +281,9 @@ class MTCNNDetector:
         max_image_side: search a photo whose longer side is over this many pixels as if it were
             scaled down to it: the pyramid starts smaller, so the smallest face looked for grows to
             ``min_face_size * longer side / max_image_side``. R-Net, O-Net and the landmarks still
-            work on the full-resolution photo. None: no limit.
+            work on the photo as given, at its resolution (the service gives a JPEG decoded at the
+            smallest DCT scale that is at least this large: ``FacePipeline.photo_crops``). None: no
+            limit.
         pyramid_oversampling: make each pyramid level from an image at least this many times its
             size (see :meth:`_pyramid_plan`); None: every level from the full photo (slower on large
             photos, the same faces and landmarks: tests/test_mtcnn.py).
