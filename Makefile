@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -282,6 +282,12 @@ bench-service: install models torchvision-env
 bench-verify-default: install torchvision-env
 	$(BIN)/python bench/service.py --parts verify --model models/dlib_resnet_v1 \
 		--json docs/results/bench_service_verify_default.json
+
+# What decoding costs (docs/results/face-path.md "Decoding at the scale detection needs"): JPEGs at
+# the scale detection needs against full size, agreement, the 6000x6000 bomb, a worker's memory after
+# hostile and normal photos, and LFW detecting on half-size decodes (about 10 minutes).
+bench-decode: install
+	$(BIN)/python bench/decode_cost.py --service --lfw $(SHARED)/data/lfw --json docs/results/bench_decode_cost.json
 
 # The largest face coarse to fine (what /v1/verify uses) against detecting every face: speed on the
 # phone photos, agreement, and LFW's protocol with each photo's largest face both ways (about 5 minutes).
