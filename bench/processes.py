@@ -80,3 +80,17 @@ def kill_all(pids: set[int]) -> None:
 def workers_started(service: Service) -> int:
     """How many workers have logged the end of their startup (model loaded, gallery connected)."""
     return service.log.read_text(errors="replace").count("Application startup complete")
+
+
+def settled_rss(service: Service, idle_s: float = 1.5, within_s: float = 4.5) -> float:
+    """The service's RSS in MiB once it has been idle ``idle_s`` seconds (a worker gives memory
+    back after 1 s without face work) and holds within 2 MiB over 0.3 s (waiting ``within_s`` at
+    most)."""
+    time.sleep(idle_s)
+    deadline, rss = time.monotonic() + within_s, service.rss_mib()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        rss, before = service.rss_mib(), rss
+        if abs(rss - before) < 2:
+            break
+    return rss

@@ -14,13 +14,19 @@ Scenarios:
   answer, answers by code, and whether the service answers normally afterwards.
 * ``workers``: ``--workers 2``; clients enroll, identify and delete faces concurrently: an enrolled
   face must be found by the next identification (whichever worker answers) and a deleted one never.
-* ``hostile``: decompression bombs of every accepted format, truncated and CMYK JPEGs, 16-bit PNGs,
-  an animated GIF, a 1x1 image, the 8 EXIF orientations of a face photo: answers by code, no 500,
-  the worker's memory before and after.
+* ``supervision``, ``stall``, ``rate_limit`` (``bench/reliability_faults.py``): SIGKILL of the local
+  redis-server and then of ``serve --workers 2`` (restarted, no process left, a new serve at once);
+  Redis paused while clients enroll and identify (``/healthz`` and verify against the unpaused
+  run); a noisy key against a quiet one (429 with ``Retry-After``).
+* ``hostile`` (``bench/reliability_hostile.py``): decompression bombs of every accepted format, the
+  6000x6000 JPEG of 2,189 bytes, truncated and CMYK JPEGs, 16-bit PNGs, an animated GIF, a 1x1
+  image, the 8 EXIF orientations of a face photo, large photos that really decode; requests the
+  strict inputs refuse (``bench/hostile_requests.py``): answers by code, no 500, the bomb's CPU,
+  the worker's memory at the start, after the hostile set and after normal photos.
 
 Usage::
 
-    .venv/bin/python bench/reliability.py                      # every scenario (about 3 minutes)
+    .venv/bin/python bench/reliability.py                      # every scenario (about 5 minutes)
     .venv/bin/python bench/reliability.py --short              # the short version (make test runs it)
     .venv/bin/python bench/reliability.py --markdown docs/results/reliability.md \
         --json docs/results/reliability.json
@@ -29,18 +35,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
 import random
 import shutil
 import signal
-import struct
 import sys
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,11 +51,19 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.decode_cost import environment  # noqa: E402
 from bench.paths import SHARED_DATA, short_temp_dir  # noqa: E402
+from bench.reliability_faults import (  # noqa: E402
+    scenario_rate_limit,
+    scenario_stall,
+    scenario_supervision,
+    stall_table,
+    supervision_table,
+)
+from bench.reliability_hostile import hostile_tables, scenario_hostile  # noqa: E402
 from models.registry import resolve_model  # noqa: E402
 from service.redis_server import LocalRedis, find_redis_server  # noqa: E402
 from service.serve_process import HEADERS, Service  # noqa: E402
@@ -324,169 +335,6 @@ def scenario_workers(model: Path, workdir: Path, seconds: float) -> dict:
     return result
 
 
-# -- hostile images -------------------------------------------------------------------------------
-
-
-def _png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
-def _encode(image: Image.Image, fmt: str, **options) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt, **options)
-    return buf.getvalue()
-
-
-def _with_header_size(fmt: str, width: int, height: int) -> bytes:
-    """A small valid image whose header claims ``width`` x ``height`` (a decompression bomb)."""
-    small = Image.new("RGB", (16, 16), (90, 120, 150))
-    if fmt == "PNG":
-        ihdr = struct.pack(">2I5B", width, height, 8, 2, 0, 0, 0)
-        idat = zlib.compress(b"\0" * 64)
-        return (
-            b"\x89PNG\r\n\x1a\n"
-            + _png_chunk(b"IHDR", ihdr)
-            + _png_chunk(b"IDAT", idat)
-            + _png_chunk(b"IEND", b"")
-        )
-    data = bytearray(_encode(small, "TIFF" if fmt == "TIFF" else fmt))
-    if fmt == "JPEG":
-        sof = data.index(b"\xff\xc0")
-        data[sof + 5 : sof + 9] = struct.pack(">2H", height, width)
-    elif fmt == "GIF":
-        data[6:10] = struct.pack("<2H", width, height)
-        pos = 13 + (3 * 2 ** ((data[10] & 7) + 1) if data[10] & 0x80 else 0)
-        while data[pos] == 0x21:  # extension blocks before the image descriptor
-            pos += 2
-            while data[pos]:
-                pos += data[pos] + 1
-            pos += 1
-        data[pos + 5 : pos + 9] = struct.pack("<2H", width, height)
-    elif fmt == "BMP":
-        data[18:26] = struct.pack("<2i", width, height)
-    elif fmt == "WEBP":  # the VP8 frame header: 14-bit width and height after the start code
-        start = data.index(b"\x9d\x01\x2a") + 3
-        data[start : start + 4] = struct.pack("<2H", min(width, 16383), min(height, 16383))
-    elif fmt == "TIFF":  # ImageWidth (256) and ImageLength (257) of the first IFD, as LONGs
-        ifd = struct.unpack_from("<I", data, 4)[0]
-        for i in range(struct.unpack_from("<H", data, ifd)[0]):
-            entry = ifd + 2 + 12 * i
-            tag = struct.unpack_from("<H", data, entry)[0]
-            if tag in (256, 257):
-                struct.pack_into("<HHII", data, entry, tag, 4, 1, width if tag == 256 else height)
-    return bytes(data)
-
-
-def _orientations(face: Image.Image) -> list[tuple[str, bytes]]:
-    """The face photo stored as a camera would with each EXIF orientation (upright once applied)."""
-    inverse = {
-        1: lambda im: im,
-        2: lambda im: im.transpose(Image.Transpose.FLIP_LEFT_RIGHT),
-        3: lambda im: im.transpose(Image.Transpose.ROTATE_180),
-        4: lambda im: im.transpose(Image.Transpose.FLIP_TOP_BOTTOM),
-        5: lambda im: im.transpose(Image.Transpose.TRANSPOSE),
-        6: lambda im: im.transpose(Image.Transpose.ROTATE_90),
-        7: lambda im: im.transpose(Image.Transpose.TRANSVERSE),
-        8: lambda im: im.transpose(Image.Transpose.ROTATE_270),
-    }
-    out = []
-    for tag, undo in inverse.items():
-        exif = Image.Exif()
-        exif[0x0112] = tag
-        out.append(
-            (f"exif_orientation_{tag}.jpg", _encode(undo(face), "JPEG", exif=exif.tobytes(), quality=90))
-        )
-    return out
-
-
-def hostile_images() -> list[tuple[str, bytes, str]]:
-    """(name, bytes, what the service should answer: ok, image_too_large or unreadable_image)."""
-    face = Image.open(PHOTOS / "people" / "obama" / "1.jpg").convert("RGB")
-    face.thumbnail((600, 600))
-    grey = np.asarray(face.convert("L"))
-    jpeg = _encode(face, "JPEG", quality=90)
-    images = [
-        (f"bomb.{fmt.lower()}", _with_header_size(fmt, 30000, 30000), "image_too_large")
-        for fmt in ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
-    ]
-    images += [
-        ("bomb_64mp.png", _with_header_size("PNG", 8000, 8000), "image_too_large"),
-        ("truncated.jpg", jpeg[: len(jpeg) // 2], "unreadable_image"),
-        ("empty.jpg", b"", "unreadable_image"),
-        ("text.jpg", b"not an image at all", "unreadable_image"),
-        ("cmyk.jpg", _encode(face.convert("CMYK"), "JPEG", quality=90), "ok"),
-        ("grey16.png", _encode(Image.fromarray(grey.astype(np.uint16) * 257), "PNG"), "ok"),
-        ("rgba16.png", _rgba16_png(np.asarray(face)), "ok"),
-        ("animated.gif", _animated_gif(face), "ok"),
-        ("1x1.png", _encode(Image.new("RGB", (1, 1)), "PNG"), "no_face"),
-    ]
-    images += [(name, data, "ok") for name, data in _orientations(face)]
-    return images
-
-
-def _rgba16_png(rgb: np.ndarray) -> bytes:
-    """A 16-bit RGBA PNG (Pillow cannot write one): rows of big-endian 16-bit samples, filter 0."""
-    height, width, _ = rgb.shape
-    rgba = np.concatenate([rgb, np.full((height, width, 1), 255, np.uint8)], axis=2).astype(">u2") * 257
-    raw = b"".join(b"\0" + row.tobytes() for row in rgba)
-    ihdr = struct.pack(">2I5B", width, height, 16, 6, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _png_chunk(b"IHDR", ihdr)
-        + _png_chunk(b"IDAT", zlib.compress(raw))
-        + _png_chunk(b"IEND", b"")
-    )
-
-
-def _animated_gif(face: Image.Image) -> bytes:
-    frames = [face.convert("P"), Image.new("RGB", face.size, (0, 0, 0)).convert("P")]
-    return _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
-
-
-def scenario_hostile(model: Path, workdir: Path) -> dict:
-    service = Service(model, workdir / "hostile")
-    client = httpx.Client(base_url=service.url, headers=HEADERS, timeout=60)
-    rows = []
-    try:
-        client.post("/v1/embed", files=[("photos", (PHOTOS / "people" / "obama" / "1.jpg").read_bytes())])
-        before = service.rss_mib()
-        for name, data, expected in hostile_images():
-            start = time.monotonic()
-            r = client.post("/v1/embed", files=[("photos", (name, data))])
-            seconds = time.monotonic() - start
-            if r.status_code == 200:
-                item = r.json()["photos"][0]
-                got = item["status"] if item["status"] != "ok" or item["faces"] else "no_face"
-            else:
-                got = f"{r.status_code} {r.json().get('code')}"
-            rows.append(
-                {
-                    "image": name,
-                    "bytes": len(data),
-                    "expected": expected,
-                    "answer": got,
-                    "as expected": got == expected,
-                    "ms": round(seconds * 1000),
-                }
-            )
-        after = service.rss_mib()
-    finally:
-        client.close()
-        service.stop()
-    result = {
-        "images": rows,
-        "as expected": sum(r["as expected"] for r in rows),
-        "server errors": sum(r["answer"].startswith("5") for r in rows),
-        "rss before MiB": round(before),
-        "rss after MiB": round(after),
-    }
-    print(
-        f"hostile: {result['as expected']}/{len(rows)} as expected, RSS {before:.0f} -> {after:.0f} MiB",
-        flush=True,
-    )
-    return result
-
-
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -494,14 +342,27 @@ def markdown(results: dict) -> str:
     """The tables of the scenarios ``results`` holds (a run with ``--only`` and no earlier JSON has
     only some)."""
     lines = [f"# Reliability suite ({results['when']}, {results['machine']})"]
+    if results.get("seconds"):
+        load = results.get("load average", {})
+        spent = ", ".join(f"{name} {seconds} s" for name, seconds in results["seconds"].items())
+        lines += [
+            "",
+            f"Wall time per scenario: {spent}. Load average (1 min) at the start {load.get('start')}, "
+            f"at the end {load.get('end')}.",
+        ]
     if "load" in results:
         lines += _load_table(results["load"])
-    for name in ("durability", "pause", "workers"):
+    for name in ("durability", "pause", "workers", "rate_limit"):
         if name in results:
-            lines += ["", f"## {name.capitalize()}", "", "| measure | value |", "|---|---|"]
+            title = name.replace("_", " ").capitalize()
+            lines += ["", f"## {title}", "", "| measure | value |", "|---|---|"]
             lines += [f"| {key} | {value} |" for key, value in results[name].items()]
+    if "supervision" in results:
+        lines += supervision_table(results["supervision"])
+    if "stall" in results:
+        lines += stall_table(results["stall"])
     if "hostile" in results:
-        lines += _hostile_table(results["hostile"])
+        lines += hostile_tables(results["hostile"])
     return "\n".join(lines) + "\n"
 
 
@@ -524,25 +385,7 @@ def _load_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _hostile_table(hostile: dict) -> list[str]:
-    lines = [
-        "",
-        "## Hostile images (`/v1/embed`, one per request)",
-        "",
-        f"{hostile['as expected']}/{len(hostile['images'])} as expected, {hostile['server errors']} server "
-        f"errors; worker RSS {hostile['rss before MiB']} MiB before, {hostile['rss after MiB']} MiB after.",
-        "",
-        "| image | bytes | expected | answer | ms |",
-        "|---|---|---|---|---|",
-    ]
-    for row in hostile["images"]:
-        lines.append(
-            f"| {row['image']} | {row['bytes']:,} | {row['expected']} | {row['answer']} | {row['ms']} |"
-        )
-    return lines
-
-
-SCENARIOS = ("load", "durability", "pause", "workers", "hostile")
+SCENARIOS = ("load", "durability", "pause", "workers", "supervision", "stall", "rate_limit", "hostile")
 
 
 def run(short: bool, only: tuple[str, ...] = SCENARIOS) -> dict:
@@ -554,18 +397,27 @@ def run(short: bool, only: tuple[str, ...] = SCENARIOS) -> dict:
         "durability": lambda: scenario_durability(model, workdir, 6 if short else 30),
         "pause": lambda: scenario_pause(model, workdir, 2 if short else 5),
         "workers": lambda: scenario_workers(model, workdir, 4 if short else 20),
-        "hostile": lambda: scenario_hostile(model, workdir),
+        "supervision": lambda: scenario_supervision(model, workdir, 1 if short else 3),
+        "stall": lambda: scenario_stall(model, workdir, 1.5 if short else 5, 3 if short else 6),
+        "rate_limit": lambda: scenario_rate_limit(model, workdir, 3 if short else 6),
+        "hostile": lambda: scenario_hostile(model, workdir, 0 if short else 100),
     }
+    cpu = environment()["cpu_model"]
     results = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
+        "machine": f"{cpu}, {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
         "short": short,
+        "load average": {"start": round(os.getloadavg()[0], 2)},
+        "seconds": {},
     }
     try:
         for name in only:
+            started = time.monotonic()
             results[name] = scenarios[name]()
+            results["seconds"][name] = round(time.monotonic() - started, 1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    results["load average"]["end"] = round(os.getloadavg()[0], 2)
     return results
 
 
@@ -581,7 +433,9 @@ def main() -> int:
     random.seed(0)
     results = run(args.short, tuple(args.only or SCENARIOS))
     if args.only and args.json and args.json.exists():
-        results = {**json.loads(args.json.read_text()), **results}
+        earlier = json.loads(args.json.read_text())
+        seconds = {**earlier.get("seconds", {}), **results["seconds"]}
+        results = {**earlier, **results, "seconds": seconds}
     text = markdown(results)
     print(text)
     if args.json:

@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from bench.processes import process_state, running, wait_for
 from service.redis_server import LocalRedis
 from service.supervision import (
     SERVE_LOCK_NAME,
@@ -27,31 +27,6 @@ from tests.conftest import REPO_ROOT
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's"
 )
-
-
-def process_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` (``Z`` for a zombie), None when there is no such process."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("State:"):
-                return line.split()[1]
-    except OSError:
-        pass
-    return None
-
-
-def running(pid: int) -> bool:
-    """True while ``pid`` runs code (a zombie has exited and holds nothing)."""
-    return process_state(pid) not in (None, "Z")
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def answers(server: LocalRedis) -> bool:
