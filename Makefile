@@ -130,8 +130,9 @@ screenshots: install install-browser
 image-test: install
 	SHARED=$(SHARED) bash docker/image_test.sh
 
-# The fault and load suite of the service (docs/results/reliability-suite.md; about 4 minutes): load levels,
-# SIGKILL of Redis and of the API during enrollment, a paused Redis, two workers, hostile images.
+# The fault and load suite of the service (docs/results/reliability-suite.md; about 5 minutes): load levels,
+# SIGKILL of Redis and of the API during enrollment, a paused Redis, two workers, SIGKILL of serve's own
+# redis-server and of serve --workers 2, Redis paused under load, a noisy key, hostile images and requests.
 reliability: install
 	$(BIN)/python bench/reliability.py --markdown docs/results/reliability.md --json docs/results/reliability.json
 
