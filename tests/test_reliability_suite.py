@@ -67,7 +67,7 @@ def test_a_killed_serve_leaves_nothing_and_its_redis_server_comes_back(results):
     serve_kill = supervision["serve kill"]
     assert serve_kill["processes"] >= 3, serve_kill  # two workers and the redis-server
     # measured 0.17-0.30 s; before, the workers stayed with the port held
-    assert serve_kill["gone in s"] is not None and serve_kill["gone in s"] < 5, serve_kill
+    assert serve_kill["gone in s"] is not None and serve_kill["port free"], serve_kill
     restart = supervision["restart"]
     assert restart.get("create after restart") == 201 and restart.get("kept subject") == 200, restart
 
