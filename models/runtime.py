@@ -40,6 +40,24 @@ def resolve_providers(providers: str | Sequence[str]) -> list[str]:
     return resolved
 
 
+#: Whether sessions opened from now on use ONNX Runtime's CPU memory arena (see
+#: :func:`use_cpu_memory_arena`).
+_cpu_memory_arena = True
+
+
+def use_cpu_memory_arena(enabled: bool) -> None:
+    """Open later sessions with or without ONNX Runtime's CPU memory arena (on by default).
+
+    The arena keeps the largest activations a session ever ran and never hands them back. Batch
+    work wants it: without it every run of a 64-crop batch maps and faults in its activations
+    afresh (LFW with ``sphereface_celeba``: 265 s against 196 s, a minute of it system time). A
+    serving worker does not: pyramid levels and batches vary per photo, and without the arena what
+    a large photo needed is malloc'd per run, so a trim gives it back (``service.memory``), at the
+    same CPU time per photo (docs/results/face-path.md)."""
+    global _cpu_memory_arena
+    _cpu_memory_arena = bool(enabled)
+
+
 def create_session(
     model_path: str | Path,
     providers: str | Sequence[str] = "cpu",
@@ -75,12 +93,7 @@ def create_session(
     # runs of the detector and the Python work around them, that spinning takes a core from the
     # request's own thread: measured 274 -> 200 ms per /v1/verify on 2 cores (docs/results/service.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # ONNX Runtime's CPU arena keeps the largest activations a session ever ran (pyramid levels
-    # and batches vary per photo) and never hands them back; without it they are malloc'd per run
-    # and a trim gives them back (service.memory). Measured: the same CPU time per photo on the
-    # detector and embedder (docs/results/face-path.md), and a serving worker back within 1.5x of
-    # its start after large photos instead of 2x.
-    options.enable_cpu_mem_arena = False
+    options.enable_cpu_mem_arena = _cpu_memory_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session = ort.InferenceSession(
         str(model_path), sess_options=options, providers=[p for p in wanted if p in available]

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import SphereFaceError
 from models.pipeline import FacePipeline
+from models.runtime import use_cpu_memory_arena
 from service.admission import Admission, PixelBudget, default_face_limit
 from service.auth import AuthGate, require_read
 from service.errors import (
@@ -168,6 +169,7 @@ def make_lifespan(settings: Settings, pipeline: FacePipeline | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limit_malloc_arenas()  # before the model's threads allocate (service.memory)
+        use_cpu_memory_arena(False)  # a worker's memory goes back after large photos
         app.state.pipeline = pipeline or load_pipeline(settings)
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image
 
 from models.mtcnn_convert import DEFAULT_MTCNN_DIR
@@ -46,11 +47,22 @@ def test_idle_trim_gives_memory_back_once_a_burst_is_over():
     assert trimmer.trims == 2
 
 
-def test_onnx_runtime_sessions_keep_no_cpu_arena():
+def test_a_serving_worker_opens_its_sessions_without_the_cpu_arena(monkeypatch):
     """The arena kept the largest activations ever run (pyramid levels and batches vary per
-    photo): a trim could give none of it back."""
-    session = create_session(DEFAULT_MTCNN_DIR / "pnet.onnx", "cpu")
-    assert session.get_session_options().enable_cpu_mem_arena is False
+    photo): a trim could give none of it back. Batch work (evaluation, training) keeps it."""
+    import models.runtime
+    from service.app import create_app
+    from service.settings import Settings
+
+    monkeypatch.setattr(models.runtime, "_cpu_memory_arena", True)
+    monkeypatch.setattr("service.app.limit_malloc_arenas", lambda: False)  # not in the test process
+    batch_session = create_session(DEFAULT_MTCNN_DIR / "pnet.onnx", "cpu")
+    assert batch_session.get_session_options().enable_cpu_mem_arena
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", auth="off"))
+    with TestClient(app):
+        detector = app.state.pipeline.detector
+        assert detector.pnet.get_session_options().enable_cpu_mem_arena is False
+        assert app.state.pipeline.embedder.session.get_session_options().enable_cpu_mem_arena is False
 
 
 def test_an_operators_malloc_arena_max_wins(monkeypatch):
