@@ -52,6 +52,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.processes import worker_cpu_s  # noqa: E402
 from models.errors import FacePathError  # noqa: E402
 from models.image import decode_image, decode_photo  # noqa: E402
 
@@ -261,12 +262,6 @@ def _encode(image: Image.Image, fmt: str, **options) -> bytes:
     buf = io.BytesIO()
     image.save(buf, fmt, **options)
     return buf.getvalue()
-
-
-def worker_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its threads (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def service_run(model: Path, paths: list[Path], normal: int, idle_s: float) -> dict[str, Any]:

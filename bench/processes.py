@@ -82,6 +82,12 @@ def workers_started(service: Service) -> int:
     return service.log.read_text(errors="replace").count("Application startup complete")
 
 
+def worker_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def settled_rss(service: Service, idle_s: float = 1.5, within_s: float = 4.5) -> float:
     """The service's RSS in MiB once it has been idle ``idle_s`` seconds (a worker gives memory
     back after 1 s without face work) and holds within 2 MiB over 0.3 s (waiting ``within_s`` at

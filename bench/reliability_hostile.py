@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from bench.decode_cost import hostile_set, jpeg_bomb, worker_cpu_s
+from bench.decode_cost import hostile_set, jpeg_bomb
 from bench.hostile_requests import hostile_requests, run_cases
 from bench.paths import SHARED_DATA
-from bench.processes import settled_rss
+from bench.processes import settled_rss, worker_cpu_s
 from service.serve_process import Service
 
 PHOTOS = SHARED_DATA / "photos"

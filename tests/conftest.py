@@ -203,3 +203,16 @@ def redis_stack_client(redis_stack):
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def default_service(default_model_dir):
+    """A real ``sphereface serve`` of the default model with a local redis-server of its own, for
+    one test module (admin key :data:`service.serve_process.KEY`)."""
+    from service.serve_process import Service
+
+    folder = short_temp_dir()
+    running = Service(default_model_dir, folder / "data")
+    yield running
+    running.stop()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,7 @@ from types import ModuleType
 import httpx
 import pytest
 
-from service.serve_process import KEY, Service
-from tests.conftest import short_temp_dir
+from service.serve_process import KEY
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
@@ -27,12 +25,8 @@ CONFIG = "post_hooks: []\ncontent_type_overrides:\n  image/jpeg: application/oct
 
 
 @pytest.fixture(scope="module")
-def service(default_model_dir):
-    folder = short_temp_dir()
-    running = Service(default_model_dir, folder / "data")
-    yield running
-    running.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+def service(default_service):
+    return default_service
 
 
 def generate(document: Path, out: Path) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ method in `Allow`, and clients generated from /openapi.json would not have worke
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +21,8 @@ CONFIG = REPO_ROOT / "tests" / "schemathesis.toml"
 
 
 @pytest.fixture(scope="module")
-def service(default_model_dir):
-    folder = short_temp_dir()
-    running = Service(default_model_dir, folder / "data")
-    yield running
-    running.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+def service(default_service):
+    return default_service
 
 
 def schemathesis(service: Service, *args: str) -> subprocess.CompletedProcess:

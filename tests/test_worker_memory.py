@@ -8,18 +8,13 @@ held)."""
 
 from __future__ import annotations
 
-import io
-import os
-import struct
 import time
-import zlib
-from pathlib import Path
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from PIL import Image
 
+from bench.decode_cost import hostile_set, jpeg_bomb
+from bench.processes import settled_rss, worker_cpu_s
 from models.mtcnn_convert import DEFAULT_MTCNN_DIR
 from models.runtime import create_session
 from service.memory import IdleTrim, limit_malloc_arenas, trim
@@ -73,41 +68,14 @@ def test_an_operators_malloc_arena_max_wins(monkeypatch):
 # -- a real worker ---------------------------------------------------------------------------------
 
 
-def _chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
-def _encode(image: Image.Image, fmt: str, **options) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt, **options)
-    return buf.getvalue()
-
-
-def jpeg_bomb() -> bytes:
-    data = _encode(Image.new("RGB", (6000, 6000), (128, 128, 128)), "JPEG", quality=1)
-    return data[:2187] + b"\xff\xd9"
-
-
-def hostile_set() -> list[tuple[str, bytes, str]]:
-    """(name, bytes, answer): hostile and large photos."""
-    rows = np.zeros((6000, 6000, 3), np.uint8)
-    rows[::7] = 200  # 36 MP that really decode (473 KB)
-    noise = np.random.default_rng(0).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
-    idat = zlib.compress(b"".join(b"\0" + bytes(500) for _ in range(4000)), 9)
-    sparse = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">2I5B", 4000, 4000, 1, 0, 0, 0, 0))
-    entries = b"".join(struct.pack("<HHII", tag, 3, 1, 1) for tag in range(65535))
-    return [
-        ("bomb.jpg", jpeg_bomb(), "unreadable_image"),
-        ("sparse.png", sparse + _chunk(b"IDAT", idat) + _chunk(b"IEND", b""), "image_too_large"),
-        ("rows.png", _encode(Image.fromarray(rows), "PNG", compress_level=1), "no_face"),
-        ("noise.jpg", _encode(Image.fromarray(noise), "JPEG", quality=90), "no_face"),
-        ("ifd.tif", b"II*\x00" + struct.pack("<IH", 8, 65535) + entries + b"\0\0\0\0", "unreadable_image"),
-    ]
-
-
-def worker_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+#: What each photo of bench/decode_cost.py's hostile set is answered.
+HOSTILE_ANSWERS = {
+    "bomb_6000.jpg": "unreadable_image",
+    "sparse_4000.png": "image_too_large",
+    "rows_6000.png": "no_face",
+    "noise_12mp.jpg": "no_face",
+    "ifd_65535.tif": "unreadable_image",
+}
 
 
 @pytest.mark.shared_data
@@ -125,18 +93,6 @@ def test_a_worker_answers_bombs_cheaply_and_gives_memory_back(default_model_dir,
         r = service.client.post("/v1/embed", files=[("photos", (name, data))])
         return r.json()["photos"][0]["status"] if r.status_code == 200 else r.json()["code"]
 
-    def settled_rss() -> float:
-        """RSS once the worker has been idle for 1.5 s (its trim comes after 1 s) and it holds
-        still over 0.3 s (waiting at most 6 s in all)."""
-        time.sleep(1.5)
-        deadline, rss = time.monotonic() + 4.5, service.rss_mib()
-        while time.monotonic() < deadline:
-            time.sleep(0.3)
-            rss, before = service.rss_mib(), rss
-            if abs(rss - before) < 2:
-                break
-        return rss
-
     try:
         for path in photos[:3]:
             assert embed(path.name, path.read_bytes()) == "ok"
@@ -148,12 +104,12 @@ def test_a_worker_answers_bombs_cheaply_and_gives_memory_back(default_model_dir,
         assert answers == ["unreadable_image"] * 5
         # 0.01 s measured (before: 0.73 s); the worker's CPU is counted in 10 ms ticks
         assert bomb_cpu < 0.2, f"{bomb_cpu:.3f} s of worker CPU per bomb"
-        hostile = hostile_set()
-        assert [embed(name, data) for name, data, _ in hostile] == [answer for *_, answer in hostile]
-        after_hostile = settled_rss()
+        hostile = dict(hostile_set())
+        assert {name: embed(name, data) for name, data in hostile.items()} == HOSTILE_ANSWERS
+        after_hostile = settled_rss(service)
         for i in range(100):
             embed(photos[i % len(photos)].name, photos[i % len(photos)].read_bytes())
-        after_normal = settled_rss()
+        after_normal = settled_rss(service)
         print(f"worker RSS {start:.0f} MiB, {after_hostile:.0f} after hostile, {after_normal:.0f} after 100")
         # measured 140 -> 140 -> 153 MiB (before: 314 -> 367 -> 564)
         assert after_hostile <= 1.5 * start and after_normal <= 1.5 * start
