@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -214,6 +214,11 @@ hyperspherical-table: prepare-celeba
 	$(call export_and_megaface,$(HS_FACES),runs/hyperspherical)
 	$(BIN)/python -m training.hyperspherical_table --runs runs/hyperspherical --out docs/results
 
+# What SphereConv, SphereNorm and DCNet's operators cost per training step against convolutions
+# (docs/results/hyperspherical-claims.md; a few minutes).
+bench-hyperspherical: install
+	$(BIN)/python bench/hyperspherical.py --json docs/results/bench_hyperspherical.json
+
 # Re-train the project's own SphereFace model into models/sphereface_celeba: two MobileFaceNets
 # (version 3's recipe, and the same with photometric augmentation), one thread each side by side
 # (about 2.6 hours), exported and combined into one ONNX graph (`sphereface combine`), evaluated on
@@ -289,6 +294,15 @@ bench-verify-default: install torchvision-env
 # hostile and normal photos, and LFW detecting on half-size decodes (about 10 minutes).
 bench-decode: install
 	$(BIN)/python bench/decode_cost.py --service --lfw $(SHARED)/data/lfw --json docs/results/bench_decode_cost.json
+
+# The detector's ONNX Runtime session options, and its two threads one stage at a time against side by
+# side, on the phone photos (docs/results/face-path.md; a few minutes each).
+bench-session-options: install
+	$(BIN)/python bench/detector_session_options.py --data $(SHARED)/data \
+		--json docs/results/bench_detector_session_options.json
+
+bench-detector-threads: install
+	$(BIN)/python bench/detector_threads.py --data $(SHARED)/data --rounds 7 --json docs/results/bench_detector_threads.json
 
 # The largest face coarse to fine (what /v1/verify uses) against detecting every face: speed on the
 # phone photos, agreement, and LFW's protocol with each photo's largest face both ways (about 5 minutes).
