@@ -174,7 +174,8 @@ class Admission:
 
 
 class PixelBudget:
-    """At most ``budget`` pixels being decoded (and held as full-size RGB) at once per process.
+    """At most ``budget`` pixels being decoded (and held as RGB, a JPEG at the scale it is decoded
+    at for detection) at once per process.
 
     A photo over the whole budget still gets it alone. Waiting longer than ``wait`` seconds is
     503 ``overloaded``. When the last large decode of a burst ends, freed memory is handed back to

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 IDLE_S = 1.0
 #: malloc arenas per worker. glibc makes up to 8 per core, one for each thread that allocates
 #: while the others are busy (request threads, photo threads, the detector's and ONNX Runtime's),
-#: and each keeps fragments a trim cannot free: after 100 photos a worker stayed 1.46x its start
-#: with the default and 1.17x with 2, at the same CPU time per photo (docs/results/face-path.md).
+#: and each keeps fragments a trim cannot free, so a worker's size stays well above its start
+#: after many photos; with 2 it comes back near it, at the same CPU time per photo
+#: (docs/results/face-path.md).
 MALLOC_ARENAS = 2
 #: ``mallopt`` parameter number of ``M_ARENA_MAX`` (glibc's malloc.h).
 _M_ARENA_MAX = -8

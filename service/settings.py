@@ -97,8 +97,9 @@ class Settings(BaseSettings):
     decode_pixel_budget: int | None = Field(
         None,
         gt=0,
-        description="pixels of photos decoded and held at full size at once per worker "
-        "(null: twice max_image_pixels); photos beyond it wait for their turn",
+        description="pixels of photos decoded and held at once per worker, a JPEG counted at the "
+        "scale it is decoded at for detection (null: twice max_image_pixels); photos beyond it "
+        "wait for their turn",
     )
 
     # -- access -----------------------------------------------------------------------------
