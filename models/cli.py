@@ -108,6 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error [file_not_found]: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        # e.g. `sphereface import dlib` in the serving image, which has no torch
+        print(
+            f"error [missing_dependency]: `sphereface {args.command}` needs the Python package "
+            f"{exc.name!r}, which this install does not have (the 'train' extra has what training, "
+            "export and import need: pip install 'sphereface[train]')",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

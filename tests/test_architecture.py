@@ -264,3 +264,20 @@ def test_an_option_given_before_the_subcommand_is_kept_when_none_follows():
 
     assert build_parser().parse_args(["keys", "--data-dir", "D", "list"]).data_dir == "D"
     assert build_parser().parse_args(["keys", "list"]).data_dir is None
+
+
+def test_a_command_whose_package_is_missing_says_which_and_how_to_get_it(monkeypatch, capsys):
+    """The serving image lists `import`, which needs torch: it answers with the package to install
+    instead of a traceback."""
+    import models.commands
+    from models.cli import main
+
+    def needs_torch(args):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(models.commands, "_run_import_mtcnn", needs_torch)
+    assert main(["import", "mtcnn", "weights.whl"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error [missing_dependency]: `sphereface import` needs the Python package")
+    assert "'torch'" in error
+    assert "sphereface[train]" in error
