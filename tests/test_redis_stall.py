@@ -147,3 +147,48 @@ def test_a_paused_redis_does_not_slow_health_checks_or_verify(
         if service is not None:
             service.stop()
         server.stop()
+
+
+def test_searches_waiting_on_a_stalled_redis_share_one_timeout(redis_binary, workdir):
+    """Eight identifications search at once while Redis is paused: the first refresh of the index
+    waits out the 1 s timeout and the seven that arrived meanwhile fail with it, instead of each
+    queueing for a timeout of its own (8 s in all before). A search after Redis answers again
+    sees the faces it must see."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from service.app import redis_client
+    from service.errors import RedisUnavailableError
+    from service.gallery.index import LiveIndex
+    from service.gallery.store import GalleryStore
+    from tests.gallery_vectors import emb_face
+
+    server = LocalRedis(workdir / "redis", binary=redis_binary).start()
+    try:
+        client = redis_client(server.url, timeout=1.0)  # the service's own: no retry on a timeout
+        store = GalleryStore(client, "sf:")
+        store.ensure_schema()
+        store.create_subject("ada")
+        vector = np.ones(8, np.float32) / np.sqrt(8)
+        store.add_faces("ada", "m1", [emb_face(vector)])
+        live = LiveIndex(store, "m1", 8)
+        live.refresh()
+
+        def search() -> str:
+            try:
+                live.search(vector[None], 1)
+                return "found"
+            except RedisUnavailableError:
+                return "redis_unavailable"
+
+        with paused(server), ThreadPoolExecutor(8) as pool:
+            start = time.monotonic()
+            answers = list(pool.map(lambda _: search(), range(8)))
+            seconds = time.monotonic() - start
+        assert answers == ["redis_unavailable"] * 8
+        # one 1 s timeout (two when a search starts just as the first attempt fails); 8 s before
+        assert seconds < 3.0, f"8 searches on a paused Redis took {seconds:.2f} s"
+        assert live.search(vector[None], 1)[0][0].subject_id == "ada"
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.errors import RedisUnavailableError
 from service.gallery.int8_scan import Int8Scan
 from service.gallery.snapshot import CHECK_SECONDS, COMPACT_FACES, Snapshot, SnapshotFolder, SnapshotMeta
 from service.gallery.store import GalleryStore, _redis_errors
@@ -345,12 +346,47 @@ class LiveIndex:
         self.batch = batch
         self._next_snapshot_check = 0.0
         self._lock = threading.RLock()
+        # One refresh runs at a time; see refresh() for what the callers that arrive meanwhile do.
+        self._attempts = threading.Condition()
+        self._attempt = 0  # attempts begun
+        self._running: int | None = None  # the attempt in flight
+        self._failed: tuple[int, RedisUnavailableError] | None = None  # the last failed attempt
 
     def __len__(self) -> int:
         return len(self.index)
 
     def refresh(self) -> int:
-        """Bring the index up to date with Redis; returns the revision it now reflects."""
+        """Bring the index up to date with Redis; returns the revision it now reflects.
+
+        A caller that arrives while another refresh is in flight waits for it. When that one
+        fails (Redis stalled or gone), the caller fails at once with the same answer instead of
+        queueing for a timeout of its own, so k identifications on a stalled Redis take one
+        timeout, not k. When it succeeds, the caller still asks Redis itself: the refresh began
+        before the caller arrived and may predate a write the caller must see.
+
+        Raises:
+            RedisUnavailableError: Redis did not answer (here or in the refresh waited for).
+        """
+        with self._attempts:
+            arrived_during = self._running
+            while self._running is not None:
+                self._attempts.wait()
+            if arrived_during is not None and self._failed and self._failed[0] == arrived_during:
+                raise RedisUnavailableError(self._failed[1].message)
+            self._attempt += 1
+            self._running = attempt = self._attempt
+        try:
+            revision = self._refresh()
+        except RedisUnavailableError as exc:
+            self._failed = (attempt, exc)
+            raise
+        finally:
+            with self._attempts:
+                self._running = None
+                self._attempts.notify_all()
+        return revision
+
+    def _refresh(self) -> int:
         with self._lock, _redis_errors():
             current, epoch = self.store.revision_and_epoch()
             if epoch == self.epoch and current == self.revision:
