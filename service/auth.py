@@ -279,12 +279,13 @@ class AuthGate:
 def _requirement(needed: Scope):
     """A FastAPI dependency that lets a request through when its key has scope ``needed``."""
 
-    def dependency(
+    async def dependency(
         request: Request, api_key: Annotated[str | None, Security(api_key_header)] = None
     ) -> Principal:
-        principal = getattr(request.state, "principal", None)  # set by AuthGate for /v1
-        if principal is None:
-            principal = request_principal(request.app.state, api_key)
+        # AuthGate has checked the key of every /v1 request: no Redis, no thread needed here
+        principal = getattr(request.state, "principal", None)
+        if principal is None:  # the key lookup may ask Redis: off the event loop
+            principal = await run_in_threadpool(request_principal, request.app.state, api_key)
         if not principal.allows(needed):
             raise InsufficientScopeError(
                 f"this operation needs an API key with scope {needed!r}; "
