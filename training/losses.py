@@ -43,6 +43,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +67,15 @@ __all__ = [
     "ModifiedSoftmaxHead",
     "SoftmaxHead",
     "SphereFacePlusHead",
+    "BACKWARDS",
+    "CaffeMarginLogits",
     "arc_margin_cos",
     "build_head",
     "cos_m_theta",
     "mhe_energy",
     "output_mhe_loss",
     "psi",
+    "psi_slope",
 ]
 
 MHE_EPS = 1e-6
@@ -134,12 +138,36 @@ def psi(c: Tensor, m: int) -> Tensor:
     """
     m = _check_margin(m)
     cos_m = cos_m_theta(c, m)  # Eq. 2.7
+    k = _psi_interval(c, m)
+    sign = 1.0 - 2.0 * torch.remainder(k, 2.0)
+    return sign * cos_m - 2.0 * k  # Eq. 2.20
+
+
+def _psi_interval(c: Tensor, m: int) -> Tensor:
+    """``k`` of Eq. 2.20 (theta in ``[k pi/m, (k+1) pi/m]``) from ``c = cos(theta)``; detached, dtype of c."""
     c_detached = c.detach()
     k = torch.zeros_like(c_detached)
     for j in range(1, m):
         k = k + (c_detached <= math.cos(j * math.pi / m)).to(c.dtype)
-    sign = 1.0 - 2.0 * torch.remainder(k, 2.0)
-    return sign * cos_m - 2.0 * k  # Eq. 2.20
+    return k
+
+
+def psi_slope(c: Tensor, m: int) -> Tensor:
+    """``d psi / d cos(theta)`` at ``c = cos(theta)`` (Eq. 2.20; any shape, no gradient).
+
+    ``cos(m theta)`` is the Chebyshev polynomial ``T_m(c)`` (Eq. 2.7), whose derivative is
+    ``m U_{m-1}(c)`` with ``U_0 = 1``, ``U_1 = 2c``, ``U_{n+1} = 2c U_n - U_{n-1}``; psi multiplies
+    it by ``(-1)^k``. For m = 4 on the first interval: ``32 c^3 - 16 c``.
+    """
+    m = _check_margin(m)
+    c = c.detach()
+    previous, current = torch.ones_like(c), 2.0 * c
+    if m == 1:
+        current = previous
+    for _ in range(m - 2):
+        previous, current = current, 2.0 * c * current - previous
+    sign = 1.0 - 2.0 * torch.remainder(_psi_interval(c, m), 2.0)
+    return sign * m * current
 
 
 @dataclass(frozen=True)
@@ -206,6 +234,68 @@ def _autocast_off(tensor: Tensor) -> torch.autocast:
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
+#: How an A-Softmax head differentiates its logits (``head_options.backward``): ``"autograd"``, the
+#: exact gradient of Eq. 2.20 with the App. A.7 annealing (the default), or ``"caffe"``, the
+#: backward pass of the authors' released Caffe layer (:class:`CaffeMarginLogits`).
+BACKWARDS = ("autograd", "caffe")
+
+
+def _margin_forward(features: Tensor, unit_weight: Tensor, labels: Tensor, lam: float, m: int) -> Tensor:
+    """A-Softmax logits (N, C): ``||x|| cos(theta_j)`` and the annealed target of Eq. 2.20 / App. A.7."""
+    logits = features @ unit_weight.t()
+    x_norm = features.norm(dim=1, keepdim=True)
+    cos = (logits / x_norm.clamp_min(1e-12)).clamp(-1.0, 1.0)
+    index = labels.view(-1, 1)
+    cos_y = cos.gather(1, index)
+    return logits.scatter(1, index, x_norm * (lam * cos_y + psi(cos_y, m)) / (1.0 + lam))
+
+
+class CaffeMarginLogits(torch.autograd.Function):
+    """The A-Softmax logits with the backward pass of the authors' released Caffe layer.
+
+    ``apply(features (N, D) float32, weight (C, D), labels (N,) int64, lam, m)`` returns the
+    same (N, C) logits as :class:`ASoftmaxHead` (Eq. 2.20 with the App. A.7 annealing; the
+    rows of ``weight`` are normalised inside). The backward differs from the exact gradient
+    in two places, as the released ``MarginInnerProductLayer`` computes them:
+
+    * features: the target logit ``||x|| psi(theta_y)`` has the gradient
+      ``a w_y + b x`` with ``a = psi'(c)`` and ``b = (psi(c) - c psi'(c)) / ||x||``
+      (``c = cos(theta_y)``); the layer divides it by ``sqrt(a^2 + b^2)`` (the authors call
+      it a normalised gradient, a per-sample learning rate). The annealed part
+      ``lambda / (1 + lambda) ||x|| cos(theta_y)`` and the other logits pass the plain
+      inner-product gradient ``w_j``. For m = 1 every logit is the plain inner product.
+    * classifier: the gradient is that of a plain inner product, ``grad^T x`` for every
+      logit (margin and annealing ignored), and it reaches the stored rows without the
+      projection through the normalisation. The Caffe layer rescales its rows to unit
+      norm in place on each forward pass; the trainer keeps the rows at unit norm after
+      each step (``renormalise_``), so the stored rows are the normalised ones.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, features: Tensor, weight: Tensor, labels: Tensor, lam: float, m: int) -> Tensor:
+        unit = F.normalize(weight, dim=1)
+        ctx.save_for_backward(features, unit, labels)
+        ctx.lam, ctx.m = float(lam), int(m)
+        return _margin_forward(features, unit, labels, float(lam), int(m))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        features, unit, labels = ctx.saved_tensors
+        grad_weight = grad.t() @ features  # plain inner-product gradient on the unit rows
+        if ctx.m == 1:
+            return grad @ unit, grad_weight, None, None, None
+        lam, index = ctx.lam, labels.view(-1, 1)
+        grad_y = grad.gather(1, index)
+        plain = grad.scatter(1, index, grad_y * lam / (1.0 + lam))  # lambda/(1+lambda) w_y on the target
+        x_norm = features.norm(dim=1, keepdim=True)
+        cos_y = (features * unit[labels]).sum(1, keepdim=True) / x_norm
+        coeff_w = psi_slope(cos_y, ctx.m)
+        coeff_x = (psi(cos_y, ctx.m) - cos_y * coeff_w) / x_norm
+        scale = grad_y / ((1.0 + lam) * torch.sqrt(coeff_w * coeff_w + coeff_x * coeff_x))
+        grad_features = plain @ unit + scale * (coeff_w * unit[labels] + coeff_x * features)
+        return grad_features, grad_weight, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------
 # Heads
 # ----------------------------------------------------------------------------------------------
@@ -239,7 +329,9 @@ class ASoftmaxHead(nn.Module):
 
     ``m``: integer margin in 1..4 (``m = 1`` is exactly the modified softmax). ``lambda_schedule``:
     a :class:`LambdaSchedule` (or any ``step -> float`` callable, or a constant float); ``None``
-    means ``lambda = 0``, the pure A-Softmax loss. ``extras``: ``{"lambda": lambda}``.
+    means ``lambda = 0``, the pure A-Softmax loss. ``backward``: ``"autograd"`` (the exact
+    gradient) or ``"caffe"`` (the released Caffe layer's backward, :class:`CaffeMarginLogits`;
+    same loss values). ``extras``: ``{"lambda": lambda}``.
     """
 
     def __init__(
@@ -248,10 +340,14 @@ class ASoftmaxHead(nn.Module):
         num_classes: int,
         m: int = 4,
         lambda_schedule: LambdaLike = DEFAULT_LAMBDA_SCHEDULE,
+        backward: str = "autograd",
     ) -> None:
         super().__init__()
         self.m = _check_margin(m, 1, 4)
         self.lambda_schedule = lambda_schedule
+        if backward not in BACKWARDS:
+            raise ValueError(f"unknown backward {backward!r}: use one of {', '.join(BACKWARDS)}")
+        self.backward = backward
         self.weight = nn.Parameter(torch.empty(num_classes, embedding_size))
         _init_classifier(self.weight)
 
@@ -277,8 +373,17 @@ class ASoftmaxHead(nn.Module):
     def margin_logits(self, features: Tensor, labels: Tensor, step: int = 0) -> Tensor:
         """The (N, C) float32 logits fed to the cross-entropy at ``step`` (target logit with margin)."""
         with _autocast_off(features):
-            x_norm, cos, logits = self._cosine_logits(features)
-            return self._apply_margin(x_norm, cos, logits, labels, _lambda_at(self.lambda_schedule, step))
+            return self._margin_and_plain(features, labels, _lambda_at(self.lambda_schedule, step))[0]
+
+    def _margin_and_plain(self, features: Tensor, labels: Tensor, lam: float) -> tuple[Tensor, Tensor]:
+        """(logits with margin (N, C), prediction logits ``||x|| cos(theta_j)`` (N, C)), in float32."""
+        if self.backward == "caffe":
+            x = features.float()
+            margin = CaffeMarginLogits.apply(x, self.weight.float(), labels, lam, self.m)
+            plain = x.detach() @ F.normalize(self.weight.detach().float(), dim=1).t()
+            return margin, plain
+        x_norm, cos, logits = self._cosine_logits(features)
+        return self._apply_margin(x_norm, cos, logits, labels, lam), logits
 
     def _apply_margin(
         self, x_norm: Tensor, cos: Tensor, logits: Tensor, labels: Tensor, lam: float
@@ -293,8 +398,8 @@ class ASoftmaxHead(nn.Module):
         """``features`` (N, D), ``labels`` (N,) int64 in [0, C), ``step``: optimiser step for lambda."""
         lam = _lambda_at(self.lambda_schedule, step)
         with _autocast_off(features):
-            x_norm, cos, logits = self._cosine_logits(features)
-            loss = F.cross_entropy(self._apply_margin(x_norm, cos, logits, labels, lam), labels)
+            margin, logits = self._margin_and_plain(features, labels, lam)
+            loss = F.cross_entropy(margin, labels)
         return HeadOutput(loss=loss, logits=logits.detach(), extras={"lambda": lam})
 
 
@@ -332,8 +437,9 @@ class SphereFacePlusHead(ASoftmaxHead):
         mhe_power: int = 2,
         mhe_distance: str = "euclidean",
         mhe_form: str = "eq5.8",
+        backward: str = "autograd",
     ) -> None:
-        super().__init__(embedding_size, num_classes, m=m, lambda_schedule=lambda_schedule)
+        super().__init__(embedding_size, num_classes, m=m, lambda_schedule=lambda_schedule, backward=backward)
         _check_kernel(mhe_power, mhe_distance)
         if mhe_form not in MHE_FORMS:
             raise ValueError(f"unknown mhe_form {mhe_form!r}: use one of {', '.join(MHE_FORMS)}")
