@@ -126,6 +126,49 @@ def test_learning_rate_drops_tenfold_at_the_papers_fractions_of_the_run():
     assert short.lr_milestones() == [400, 600]
 
 
+def test_a_resume_may_change_only_the_allow_list_and_names_every_other_key(tmp_path):
+    from training.resume import resumed_config
+
+    original = load_config(None, ["steps=28000"])
+    allowed = load_config(None, [
+        "steps=28000", "log_every=7", "checkpoint_every=3", "lfw_every=0", 'lfw=""', "threads=1",
+        "out_dir=elsewhere", "lfw_pairs_per_fold=50", "feature_norm_collapse=0",
+    ])  # fmt: skip
+    assert resumed_config(original, allowed, 5000, tmp_path) == allowed
+    changed = load_config(None, ["steps=28000", "lr=0.5", "head_options.m=2", "log_every=7"])
+    with pytest.raises(ConfigError) as refused:
+        resumed_config(original, changed, 5000, tmp_path)
+    message = str(refused.value)
+    assert "head_options, lr differ" in message and "lr 0.1 -> 0.5" in message
+    assert "log_every" not in message.split("differ")[0]  # an allowed change is not among the refused
+    for override in ("network=sphereface4", "batch_size=128", "seed=1", "data=other", "loader=stream"):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=f": {key} differ"):
+            resumed_config(original, load_config(None, ["steps=28000", override]), 5000, tmp_path)
+
+
+def test_steps_may_grow_only_after_the_last_lr_drop_which_stays_where_it_was(tmp_path):
+    from training.resume import resumed_config
+    from training.trainer import lr_factor
+
+    original = load_config(None, ["steps=28000"])  # drops at 16000 and 24000
+    longer = load_config(None, ["steps=32000"])
+    effective = resumed_config(original, longer, 24000, tmp_path)
+    assert effective.steps == 32000 and effective.lr_milestones() == [16000, 24000]
+    assert effective.lr_drops == [0.5, 0.75]
+    steps = (15999, 16000, 23999, 24000)
+    expected = [lr_factor(s, original) for s in (*steps, 27999)]
+    assert [lr_factor(s, effective) for s in (*steps, 31999)] == expected
+    # before the last drop the new length would move it (to 27429 here): refused, naming steps
+    with pytest.raises(ConfigError, match=r": steps differ .*after its last learning-rate drop \(step 24000"):
+        resumed_config(original, longer, 23999, tmp_path)
+    with pytest.raises(ConfigError, match="never shorten"):
+        resumed_config(original, load_config(None, ["steps=27000"]), 26000, tmp_path)
+    # a run already lengthened to 32000 cannot be resumed as the original 28000 from step 30000
+    with pytest.raises(ConfigError, match="ends before the checkpoint's step 30000"):
+        resumed_config(original, original, 30000, tmp_path)
+
+
 # --------------------------------------------------------------------------------------------
 # Loaders
 # --------------------------------------------------------------------------------------------
@@ -303,6 +346,8 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
     assert all(np.isfinite(float(r["loss"])) for r in rows)
     # The authors' schedule per Caffe iteration, whatever the run's length: 1000/1.12, 1000/1.24.
     assert [float(r["lambda"]) for r in rows] == pytest.approx([892.857, 806.452], abs=1e-3)
+    # The lr each step used: 0.1, then 0.01 after the first drop (2 steps: drops at steps 1 and 2).
+    assert [float(r["lr"]) for r in rows] == pytest.approx([0.1, 0.01])
     assert float(rows[0]["mhe"]) > 0
     assert all(float(r["feature_norm"]) > 0 for r in rows)
     summary = json.loads((run / "summary.json").read_text())
@@ -318,7 +363,10 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
     resumed = train(load_config(None, [*overrides, "steps=3"]), resume=True, progress=False)
     assert resumed.summary["final"]["step"] == 3
     with (run / "log.csv").open() as handle:
-        assert [int(r["step"]) for r in csv.DictReader(handle)] == [1, 2, 3]
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    # lengthened after its last drop: the third step runs at the last lr, 0.001
+    assert [float(r["lr"]) for r in rows] == pytest.approx([0.1, 0.01, 0.001])
 
     # Export: ONNX with a dynamic batch, same embedding as PyTorch on real crops.
     model_dir = tmp_path / "model"
@@ -329,6 +377,40 @@ def test_two_step_training_run_logs_checkpoints_resumes_and_exports(tiny_prepare
     fused = Embedder(model_dir, "cpu").embed(crops)
     assert fused.shape == (3, 1024)
     np.testing.assert_allclose(np.linalg.norm(fused, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.shared_data
+def test_a_resume_with_a_changed_config_is_refused_and_the_run_folder_is_kept(tiny_prepared, tmp_path):
+    from training.resume import RESUMES_FILE
+    from training.trainer import train
+
+    overrides = _smoke_overrides(tiny_prepared, tmp_path, "kept", "head=asoftmax", "steps=4")
+    train(load_config(None, overrides), progress=False, until_step=2)
+    run = tmp_path / "kept"
+    config_toml, checkpoint = (run / "config.toml").read_bytes(), (run / "checkpoint.pt").read_bytes()
+    for changed, named in [
+        (["lr=0.5"], "lr"), (["head_options.m=2"], "head_options"), (["steps=25"], "steps"),
+        (["lr=0.5", "steps=25", "head_options.m=2"], "head_options, lr, steps"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"with a changed config: {named} differ"):
+            train(load_config(None, [*overrides, *changed]), resume=True, progress=False)
+    assert (run / "config.toml").read_bytes() == config_toml
+    assert (run / "checkpoint.pt").read_bytes() == checkpoint and not (run / RESUMES_FILE).exists()
+    # The allow-list: logging, checkpoints, the LFW check and threads may change.
+    allowed = [*overrides, "log_every=2", "checkpoint_every=3", "lfw_every=5", "threads=2"]
+    assert train(load_config(None, allowed), resume=True, progress=False).steps == 4
+    assert (run / "config.toml").read_bytes() == config_toml
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["original_config"]["log_every"] == 1 and state["config"]["log_every"] == 2
+    (entry,) = [json.loads(line) for line in (run / RESUMES_FILE).read_text().splitlines()]
+    assert entry["step"] == 2 and set(entry["changed"]) == {"log_every", "checkpoint_every", "lfw_every",
+                                                            "threads"}  # fmt: skip
+    assert entry["changed"]["log_every"] == {"from": 1, "to": 2}
+    # A finished run resumed again trains nothing and keeps its summary.
+    summary = (run / "summary.json").read_bytes()
+    again = train(load_config(None, allowed), resume=True, progress=False)
+    assert again.steps == 4 and again.summary["final"]["step"] == 4
+    assert (run / "summary.json").read_bytes() == summary
 
 
 AUGMENT = {"shift": 0.05, "rotate": 5.0, "saturation": 0.2, "grayscale": 0.3, "erase": 0.3}

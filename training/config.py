@@ -14,7 +14,8 @@ single fields from the command line (values parsed as TOML, falling back to stri
     steps = 2000
 
 Every run writes the resolved config next to its checkpoints (``config.toml`` in the run
-folder), so each reported number has the exact settings beside it.
+folder) when it starts, so each reported number has the exact settings beside it; a resume
+keeps that file and may change only :attr:`TrainConfig.RESUME_MAY_CHANGE` (training.resume).
 """
 
 from __future__ import annotations
@@ -306,6 +307,14 @@ class TrainConfig(RunConfig):
         "feature_norm_collapse", "checkpoint_every", "init_from", "threads", "distill_from", "distill_weight",
     )  # fmt: skip
     OVERRIDE_TABLES: ClassVar[tuple[str, ...] | None] = ("head_options", "augment")
+    #: The fields a resume (``--resume``) may change (training.resume): where the run folder lives,
+    #: what is logged, checked and checkpointed, and the CPU threads; none of them changes what a
+    #: step computes. ``steps`` may also grow, after the last lr drop (training.resume). Every
+    #: other difference from the run's own config is refused, naming the fields.
+    RESUME_MAY_CHANGE: ClassVar[tuple[str, ...]] = (
+        "out_dir", "log_every", "checkpoint_every", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold",
+        "feature_norm_collapse", "threads",
+    )  # fmt: skip
     REMOVED_FIELDS: ClassVar[dict[str, str]] = {
         "lambda_scale_to_run": (
             "lambda_scale_to_run was removed: squeezing the lambda schedule into a short run dropped "

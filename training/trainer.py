@@ -17,7 +17,8 @@ several GPUs and nodes; NCCL on GPUs, Gloo on CPU). What it does, per thesis §2
   :mod:`training.regularisers`, run through :class:`training.step_hooks.StepHooks`.
 * A checkpoint every ``checkpoint_every`` steps and at the end (``checkpoint.pt``: network, head,
   optimizer, schedule, and every process's RNG and loader position): ``resume=True`` continues a
-  killed run exactly (the weights equal those of an uninterrupted run, bit for bit on CPU).
+  killed run exactly (the weights equal those of an uninterrupted run, bit for bit on CPU), with
+  the run's own config: :mod:`training.resume` refuses any change outside an allow-list.
 * The mean feature norm ||x|| is logged; a run whose features collapse towards 0 stops with a
   message instead of training on (``feature_norm_collapse``).
 * An LFW check (official 10-fold protocol, crops aligned with the same MTCNN landmarks as the
@@ -63,6 +64,7 @@ from training.distributed import (
 from training.health import HealthCheck
 from training.lfw_check import LFWCheck, LFWEvaluation
 from training.regularisers import build_step_hooks
+from training.resume import config_changes, original_config, record_resume, resumed_config
 from training.run_log import CsvLog, plot_training_curves
 from training.step_hooks import StepHooks, StepInputs
 
@@ -245,7 +247,11 @@ class _Run:
     bf16: bool
     hooks: StepHooks
     health: HealthCheck
+    #: The first session's config (``as_dict``), kept in every checkpoint for the resume check.
+    original_config: dict[str, Any]
     start_step: int = 0
+    #: The learning rate of the last step taken (of the first parameter group: the weights').
+    step_lr: float = 0.0
     lfw: LFWEvaluation | None = None  # the main process's, when the config names an LFW folder
     csv_log: CsvLog | None = None  # the main process's
 
@@ -308,11 +314,12 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
     if config.batch_size % ctx.world_size:
         raise ConfigError(f"batch_size {config.batch_size} is not divisible by {ctx.world_size} processes")
     per_rank_batch = config.batch_size // ctx.world_size
-    checkpoint_path = _open_run_dir(config, ctx, resume)
+    state = _checkpoint_to_resume(config, resume)
+    config, original = _session_config(config, state)
+    checkpoint_path = _open_run_dir(config, ctx, state, original)
     seed_everything(config.seed + ctx.rank)
     data = load_training_set(config.data_paths, config.min_photos_per_identity)
     model = build_model(config, data.num_classes, data.num_images)
-    state = load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
     if state is not None:
         model.net.load_state_dict(state["net"])
         model.head.load_state_dict(state["head"])
@@ -338,26 +345,49 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
     )  # fmt: skip
     bf16 = _bf16_for(config, ctx.device)
     run = _Run(
-        config, ctx, data, model, trained, optimizer, scheduler, loader, loader_kind, bf16, hooks, health
-    )
+        config, ctx, data, model, trained, optimizer, scheduler, loader, loader_kind, bf16, hooks, health,
+        original.as_dict(),
+    )  # fmt: skip
     if state is not None:
         _resume_from(run, state)
     _add_main_process_work(run, per_rank_batch)
     return run
 
 
-def _open_run_dir(config: TrainConfig, ctx: DistributedContext, resume: bool) -> Path:
-    """The run's checkpoint path; the main process writes the run's ``config.toml``."""
-    run_dir = config.run_dir
-    checkpoint_path = run_dir / CHECKPOINT_NAME
-    if checkpoint_path.exists() and not resume:
+def _checkpoint_to_resume(config: TrainConfig, resume: bool) -> dict[str, Any] | None:
+    """The run's checkpoint when ``resume`` and there is one (None: a fresh run)."""
+    checkpoint_path = config.run_dir / CHECKPOINT_NAME
+    if not checkpoint_path.exists():
+        return None
+    if not resume:
         raise ConfigError(
-            f"{run_dir} already holds a run: pass --resume to continue it, or choose another name"
+            f"{config.run_dir} already holds a run: pass --resume to continue it, or choose another name"
         )
+    return load_checkpoint(checkpoint_path)
+
+
+def _session_config(config: TrainConfig, state: dict[str, Any] | None) -> tuple[TrainConfig, TrainConfig]:
+    """(the config this session trains with, the run's original config): ``config`` itself for a
+    fresh run; for a resume, checked against the checkpoint's original (training.resume)."""
+    if state is None:
+        return config, config
+    original = original_config(state)
+    return resumed_config(original, config, int(state["step"]), config.run_dir), original
+
+
+def _open_run_dir(
+    config: TrainConfig, ctx: DistributedContext, state: dict[str, Any] | None, original: TrainConfig
+) -> Path:
+    """The run's checkpoint path. The main process writes ``config.toml`` when the run starts (a
+    resume keeps it) and, on a resume, the session's changes to ``resumes.jsonl``."""
+    run_dir = config.run_dir
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config.to_toml())
-    return checkpoint_path
+        if state is None:
+            (run_dir / "config.toml").write_text(config.to_toml())
+        else:
+            record_resume(run_dir, int(state["step"]), config_changes(original, config), ctx.world_size)
+    return run_dir / CHECKPOINT_NAME
 
 
 def _distributed(model: FaceClassifier, ctx: DistributedContext) -> nn.Module:
@@ -419,6 +449,7 @@ def _save_run_checkpoint(run: _Run, step: int, metrics: dict[str, Any]) -> None:
             "step": step,
             "epoch": run.loader.epoch,
             "config": config.as_dict(),
+            "original_config": run.original_config,
             "network": config.network,
             "embedding_size": int(model.net.embedding_size),
             "num_classes": run.data.num_classes,
@@ -452,6 +483,7 @@ def _train_step(run: _Run, step: int, images: torch.Tensor, labels: torch.Tensor
     total.backward()
     run.hooks.after_backward(run.optimizer)
     run.optimizer.step()
+    run.step_lr = run.optimizer.param_groups[0]["lr"]  # this step's; the scheduler sets the next one's
     run.scheduler.step()
     run.hooks.after_step(run.optimizer, step)
     values: dict[str, Any] = {
@@ -479,7 +511,7 @@ def _interval_row(run: _Run, done: int, stats: IntervalStats, started: float) ->
         "mhe": means.get("mhe"),
         "distill": means.get("distill"),
         "feature_norm": means.get("feature_norm"),
-        "lr": run.optimizer.param_groups[0]["lr"],
+        "lr": run.step_lr,
         "images_per_s": stats.images * run.ctx.world_size / max(now - stats.started, 1e-9),
         "elapsed_s": now - started,
     }
@@ -590,6 +622,15 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
     return summary
 
 
+def _nothing_to_train(run: _Run) -> TrainResult:
+    """The result of a resumed session that starts where it was asked to stop."""
+    summary_path = run.config.run_dir / "summary.json"
+    finished = run.start_step == run.config.steps and summary_path.is_file()
+    log.info("%s is already at step %d: nothing to train", run.config.run_dir, run.start_step)
+    summary = json.loads(summary_path.read_text()) if finished else {}
+    return TrainResult(run_dir=run.config.run_dir, steps=run.start_step, summary=summary)
+
+
 def train(
     config: TrainConfig, *, resume: bool = False, progress: bool = True, until_step: int | None = None
 ) -> TrainResult:
@@ -599,9 +640,13 @@ def train(
     ``resume=True`` continues it exactly); the summary is written only when the run reaches
     ``config.steps``.
 
+    A resume of a session that already reached ``until`` trains nothing and rewrites nothing
+    (its summary is the one in the run folder, if the run is finished).
+
     Raises:
-        ConfigError: the run folder already has a checkpoint and ``resume`` is False, or the
-            config does not fit the data (e.g. a batch larger than the dataset).
+        ConfigError: the run folder already has a checkpoint and ``resume`` is False, a resume
+            changes the config beyond :data:`TrainConfig.RESUME_MAY_CHANGE` (training.resume), or
+            the config does not fit the data (e.g. a batch larger than the dataset).
         FloatingPointError: the loss became NaN or infinite.
         FeatureCollapseError: the features collapsed towards 0 (``feature_norm_collapse``).
     """
@@ -610,6 +655,8 @@ def train(
     ctx = init_distributed(config.device)
     try:
         run = _set_up_run(config, ctx, resume)
+        if run.start_step >= until:
+            return _nothing_to_train(run)
         loop = _train_loop(run, until, progress)
         summary: dict[str, Any] = {}
         if loop.stopped_at == config.steps:
