@@ -42,6 +42,8 @@ class ConfigError(SphereFaceError):
 
 #: Heads whose margin is annealed by lambda (thesis App. A.7): they get a :class:`LambdaSchedule`.
 ANNEALED_HEADS = ("asoftmax", "sphereface_plus", "ga_softmax")
+#: What ``batch_size`` counts (TrainConfig.batch_scope): all processes' images per step, or each one's.
+BATCH_SCOPES = ("global", "process")
 #: Hidden-layer MHE without projection (``none``) or one of the CoMHE projections (training.comhe).
 HIDDEN_MHE_PROJECTIONS = ("none", "random", "angle", "group")
 
@@ -101,7 +103,8 @@ class RunConfig:
     #: and its options, e.g. ``{ dim = 30, projections = 5 }`` or ``{ unrolled = true }``.
     hidden_mhe_projection: str = "none"
     hidden_mhe_options: dict[str, Any] = field(default_factory=dict)
-    #: Global batch size (the face trainer splits it evenly over the torchrun processes).
+    #: Images per step: over all torchrun processes, split evenly between them, unless the face
+    #: trainer's ``batch_scope = "process"`` makes it each process's batch.
     batch_size: int = 256
     steps: int = 28000
     lr: float = 0.1
@@ -262,6 +265,11 @@ class TrainConfig(RunConfig):
     #: When set: gamma is chosen so lambda reaches its floor after this many epochs (an
     #: experiment option; the papers' runs leave it unset).
     lambda_floor_epochs: float | None = None
+    #: What ``batch_size`` counts: ``global``, the images of one step over all torchrun processes
+    #: (split evenly between them), or ``process``, each process's own batch, as Caffe's multi-GPU
+    #: solver runs the prototxt's batch on every GPU (``batch_size = 256`` on 2 processes: 512
+    #: images per step). :meth:`global_batch` and :meth:`batch_per_process` resolve it.
+    batch_scope: str = "global"
     #: Linear warm-up steps from lr/10 (0: none, as the papers).
     warmup_steps: int = 0
     #: More augmentation (training.augment; every option off when absent), e.g.
@@ -301,9 +309,9 @@ class TrainConfig(RunConfig):
         "head_options", "lambda_base", "lambda_gamma", "lambda_power", "lambda_min", "lambda_floor_epochs",
         "operator", "operator_options", "operator_fc", "orthogonality_weight", "weight_projection_every",
         "weighted_gradients", "opt", "opt_options", "hidden_mhe_weight", "hidden_mhe_half_space",
-        "hidden_mhe_projection", "hidden_mhe_options", "batch_size", "steps", "lr", "lr_drops",
-        "warmup_steps", "momentum", "weight_decay", "flip", "augment", "precision", "seed", "loader",
-        "device", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold", "log_every",
+        "hidden_mhe_projection", "hidden_mhe_options", "batch_size", "batch_scope", "steps", "lr",
+        "lr_drops", "warmup_steps", "momentum", "weight_decay", "flip", "augment", "precision", "seed",
+        "loader", "device", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold", "log_every",
         "feature_norm_collapse", "checkpoint_every", "init_from", "threads", "distill_from", "distill_weight",
     )  # fmt: skip
     OVERRIDE_TABLES: ClassVar[tuple[str, ...] | None] = ("head_options", "augment")
@@ -330,6 +338,22 @@ class TrainConfig(RunConfig):
         """``data`` as a list of prepared folders."""
         return [self.data] if isinstance(self.data, str) else list(self.data)
 
+    def global_batch(self, processes: int = 1) -> int:
+        """Images per optimiser step over ``processes`` torchrun processes (:attr:`batch_scope`)."""
+        return self.batch_size * processes if self.batch_scope == "process" else self.batch_size
+
+    def batch_per_process(self, processes: int = 1) -> int:
+        """Images per step of each of ``processes`` processes; a global batch that does not
+        split evenly raises :class:`ConfigError`."""
+        if self.batch_scope == "process":
+            return self.batch_size
+        if self.batch_size % processes:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is not divisible by {processes} processes "
+                "(batch_scope = \"global\" splits it; \"process\" gives each process batch_size)"
+            )
+        return self.batch_size // processes
+
     def _checks(self) -> list[tuple[bool, str]]:
         from models.nets import NETWORKS
 
@@ -341,6 +365,7 @@ class TrainConfig(RunConfig):
             (self.precision in ("auto", "bf16", "fp32"), "precision must be auto, bf16 or fp32"),
             (self.loader in ("auto", "device", "stream"), "loader must be auto, device or stream"),
             (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
+            (self.batch_scope in BATCH_SCOPES, "batch_scope must be global or process"),
             (self.min_photos_per_identity >= 1, "min_photos_per_identity must be at least 1"),
             (self.lfw_landmarks in ("detect", "file"), "lfw_landmarks must be detect or file"),
             (0 <= self.feature_norm_collapse < 1, "feature_norm_collapse is a fraction in [0, 1)"),

@@ -143,10 +143,13 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return factor
 
 
-def build_model(config: TrainConfig, num_classes: int, num_images: int | None = None) -> FaceClassifier:
+def build_model(
+    config: TrainConfig, num_classes: int, num_images: int | None = None, processes: int = 1
+) -> FaceClassifier:
     """The network of ``config`` and its head (with the lambda schedule), on CPU.
 
-    ``num_images`` (the training set's size) is needed when ``config.lambda_floor_epochs`` is set.
+    ``num_images`` (the training set's size) is needed when ``config.lambda_floor_epochs`` is set;
+    ``processes`` (torchrun's world size) turns its epochs into steps of the global batch.
     """
     from models.nets import build_network
     from training.losses import build_head
@@ -166,7 +169,8 @@ def build_model(config: TrainConfig, num_classes: int, num_images: int | None = 
         if config.lambda_floor_epochs is not None:
             if num_images is None:
                 raise ConfigError("lambda_floor_epochs needs the number of training images")
-            schedule = schedule.reaching_floor_at(config.lambda_floor_epochs * num_images / config.batch_size)
+            steps_per_epoch = num_images / config.global_batch(processes)
+            schedule = schedule.reaching_floor_at(config.lambda_floor_epochs * steps_per_epoch)
         options.setdefault("lambda_schedule", schedule)
     head = build_head(config.head, embedding_size, num_classes, **options)
     apply_classifier_opt_as_configured(head, config.opt, config.opt_options)
@@ -311,15 +315,13 @@ def _set_up_run(config: TrainConfig, ctx: DistributedContext, resume: bool) -> _
 
     if config.threads and ctx.device.type == "cpu":
         torch.set_num_threads(config.threads)
-    if config.batch_size % ctx.world_size:
-        raise ConfigError(f"batch_size {config.batch_size} is not divisible by {ctx.world_size} processes")
-    per_rank_batch = config.batch_size // ctx.world_size
+    per_rank_batch = config.batch_per_process(ctx.world_size)
     state = _checkpoint_to_resume(config, resume)
     config, original = _session_config(config, state)
     checkpoint_path = _open_run_dir(config, ctx, state, original)
     seed_everything(config.seed + ctx.rank)
     data = load_training_set(config.data_paths, config.min_photos_per_identity)
-    model = build_model(config, data.num_classes, data.num_images)
+    model = build_model(config, data.num_classes, data.num_images, ctx.world_size)
     if state is not None:
         model.net.load_state_dict(state["net"])
         model.head.load_state_dict(state["head"])
@@ -590,7 +592,7 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
         "augment": config.augment_options().as_dict(),
         "seed": config.seed,
         "steps": config.steps,
-        "batch_size": config.batch_size,
+        "batch_size": config.global_batch(ctx.world_size),
         "processes": ctx.world_size,
         "device": str(ctx.device),
         "precision": "bf16" if run.bf16 else "fp32",
@@ -599,7 +601,7 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
         "min_photos_per_identity": config.min_photos_per_identity,
         "num_images": data.num_images,
         "num_classes": data.num_classes,
-        "epochs": config.steps * config.batch_size / data.num_images,
+        "epochs": config.steps * config.global_batch(ctx.world_size) / data.num_images,
         "train_seconds_this_session": loop.train_seconds,
         "mean_images_per_s": float(np.mean([h["images_per_s"] for h in loop.history]))
         if loop.history
