@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-megaface-1m megaface-local \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -242,6 +242,11 @@ sphereface-celeba-model: prepare-celeba
 # Training throughput, our loaders against a PIL-decoding DataLoader (on a GPU when there is one).
 bench-train: prepare-celeba
 	$(BIN)/python bench/train_loader.py --data $(CELEBA)
+
+# What the trainer's own step costs on CPU against a bare PyTorch loop on the same network, batch and
+# data (docs/results/train-overhead.md; the loss table's A-Softmax m = 4 run, one thread, about 10 minutes).
+bench-train-overhead: prepare-celeba
+	OMP_NUM_THREADS=1 $(BIN)/python bench/train_overhead.py --json docs/results/bench_train_overhead.json
 
 # The MegaFace protocol, local-v1, for the default, the reference and the project-trained model: JSON,
 # plots and the side-by-side table in docs/results/megaface/ (about 5 minutes per model on 2 cores; cached).
