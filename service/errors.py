@@ -39,6 +39,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "invalid_config": 400,
     "dataset_error": 400,
     "dataset_mismatch": 400,
+    "damaged_recordio": 400,
     "megaface_data": 422,
     "invalid_lfw_data": 400,
     # the command line

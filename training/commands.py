@@ -36,16 +36,22 @@ def _face_size(text: str) -> float:
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "prepare", help="detect and align a folder of identities (CASIA-WebFace layout) into packed crops"
+        "prepare",
+        help="detect and align a folder of identities (CASIA-WebFace layout), or crop an insightface "
+        "RecordIO set, into packed crops",
     )
-    p.add_argument("source", help="folder with one sub-folder of photos per identity")
+    p.add_argument(
+        "source",
+        help="folder with one sub-folder of photos per identity (or WebFace42M's folders of identity "
+        "folders), or an insightface RecordIO set: train.rec (train.idx beside it) or the folder holding it",
+    )
     p.add_argument("--out", required=True, help="folder to write (resumable: finished shards are kept)")
     p.add_argument(
         "--exclude-identities", default=None, help="file of identity names to leave out, one per line"
     )
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU core)")
     p.add_argument("--shard-size", type=int, default=8192, help="faces per shard file")
-    p.add_argument("--providers", default="cpu", help="ONNX Runtime providers for MTCNN")
+    p.add_argument("--providers", default="cpu", help="ONNX Runtime providers for MTCNN (photo folders only)")
     p.add_argument(
         "--min-face-size",
         type=_face_size,
@@ -58,8 +64,11 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
+    from training.formats.insightface import recordio_pair
     from training.prepare import prepare_dataset
 
+    if recordio_pair(args.source) is not None:
+        return _run_prepare_recordio(args)
     result = prepare_dataset(
         args.source,
         args.out,
@@ -68,6 +77,22 @@ def _run_prepare(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         providers=args.providers,
         min_face_size=args.min_face_size,
+    )
+    print(result.summary())
+    return 0
+
+
+def _run_prepare_recordio(args: argparse.Namespace) -> int:
+    """``prepare`` of a RecordIO set: its faces are aligned already (no MTCNN: ``--providers`` and
+    ``--min-face-size`` do not apply)."""
+    from training.formats.prepare_recordio import prepare_recordio
+
+    result = prepare_recordio(
+        args.source,
+        args.out,
+        exclude_identities=args.exclude_identities,
+        workers=args.workers,
+        shard_size=args.shard_size,
     )
     print(result.summary())
     return 0

@@ -4,6 +4,10 @@ The source is laid out like CASIA-WebFace: one sub-folder per identity, photos i
 
     src/<identity>/<photo>.jpg
 
+or, as WebFace42M, folders of identity folders read as one set (:func:`identity_folders`)::
+
+    src/<group>/<identity>/<photo>.jpg
+
 Every photo is read (:func:`models.image.read_image`), its faces are found by MTCNN, the face
 nearest the photo centre is kept (``select_faces(..., "central", ...)``) and aligned onto the
 SphereFace template, giving one ``(112, 96, 3)`` uint8 RGB crop. Photos that cannot be read or
@@ -474,7 +478,8 @@ def list_photos(
     excluded_names = _exclusion_set(exclude_identities)
     if limit_identities is not None and limit_identities < 1:
         raise ValueError(f"limit_identities must be at least 1, got {limit_identities}")
-    all_names = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.name.startswith("."))
+    folders = identity_folders(src)
+    all_names = sorted(folders)
     if not all_names:
         raise DatasetError(
             f"the source folder {src} has no identity sub-folders (expected src/<identity>/*.jpg)"
@@ -486,18 +491,64 @@ def list_photos(
         names = names[:limit_identities]
     photos: list[tuple[str, int]] = []
     for index, name in enumerate(names):
+        folder = folders[name]
         files = sorted(
             p.name
-            for p in (src / name).iterdir()
+            for p in (src / folder).iterdir()
             if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file()
         )
-        photos.extend((f"{name}/{f}", index) for f in files)
+        photos.extend((f"{folder}/{f}", index) for f in files)
     if not photos:
         raise DatasetError(
             f"the source folder {src} has no photos ({', '.join(IMAGE_EXTENSIONS)}) in its "
             f"{len(names)} identity folder(s) left after exclusions"
         )
     return names, photos, excluded, not_found
+
+
+def identity_folders(src: Path) -> dict[str, str]:
+    """Identity name -> its folder, relative to ``src`` (posix).
+
+    One level, as CASIA-WebFace: ``src/<identity>/<photo>``. Two levels, as WebFace42M (ten folders
+    ``0`` .. ``9`` of identity folders): when every sub-folder of ``src`` holds sub-folders and no
+    photo, those are the identity folders, ``src/<group>/<identity>/<photo>``, all read as one set.
+
+    Raises:
+        DatasetError: in two levels, one identity name in two groups.
+    """
+    tops = sorted(p for p in src.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not tops or not all(_holds_only_folders(top) for top in tops):
+        return {top.name: top.name for top in tops}
+    found: dict[str, str] = {}
+    for top in tops:
+        for folder in sorted(p for p in top.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if folder.name in found:
+                raise DatasetError(
+                    f"{src} holds folders of identity folders (as WebFace42M), and the identity "
+                    f"{folder.name!r} is in two of them ({found[folder.name]} and {top.name}/{folder.name}); "
+                    "an identity's photos must be in one folder"
+                )
+            found[folder.name] = f"{top.name}/{folder.name}"
+    return found
+
+
+def _holds_only_folders(folder: Path) -> bool:
+    """Whether ``folder`` holds at least one sub-folder and no photo (a group of identity folders)."""
+    has_folder = False
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                has_folder = True
+            elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                return False
+    return has_folder
+
+
+def _identity_of(path: str) -> str:
+    """The identity of a photo's relative path: the name of the folder holding it."""
+    return path.rsplit("/", 2)[-2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -868,13 +919,13 @@ def _finish(
     """Give labels their final contiguous values and build the manifest (not yet written)."""
     kept_counts: Counter[str] = Counter()
     for k in range(len(ranges)):
-        kept_counts.update(path.split("/", 1)[0] for path in metas[k]["paths"])
+        kept_counts.update(_identity_of(path) for path in metas[k]["paths"])
     kept = [name for name in identities if kept_counts[name] > 0]
     label_of = {name: i for i, name in enumerate(kept)}
     shards, skipped = [], []
     for k in range(len(ranges)):
         meta = metas[k]
-        labels = np.asarray([label_of[p.split("/", 1)[0]] for p in meta["paths"]], dtype=np.int32)
+        labels = np.asarray([label_of[_identity_of(p)] for p in meta["paths"]], dtype=np.int32)
         labels_path = out / meta["labels"]
         # Shards are written with labels = index into the listed identities; re-map them when an
         # identity kept no face (and on resume, when earlier shards were re-mapped differently).
