@@ -23,7 +23,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local gpu-pack gpu-check \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -247,6 +247,22 @@ bench-train: prepare-celeba
 # data (docs/results/train-overhead.md; the loss table's A-Softmax m = 4 run, one thread, about 10 minutes).
 bench-train-overhead: prepare-celeba
 	OMP_NUM_THREADS=1 $(BIN)/python bench/train_overhead.py --json docs/results/bench_train_overhead.json
+
+# The GPU check (docs/gpu.md). gpu-pack, here: the prepared celeba_faces crops and 600 LFW pairs as JPEG in
+# .cache/gpu-pack (about 26 MiB, seconds), which the device tool carries to a lent GPU machine. gpu-check:
+# the check in one command, within a time budget, its table last and its JSON in $$OUT (else
+# runs/gpu_check): the full run on a GPU (about 8 minutes), a tiny one on a CPU (under a minute; make test
+# runs it too). On the GPU machine there is no .venv: python3 runs it from the checkout.
+GPU_PACK := $(CACHE)/gpu-pack
+GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-pack: $(CELEBA)/manifest.json
+	$(BIN)/python bench/gpu_pack.py --data $(CELEBA) --lfw $(SHARED)/data/lfw --out $(GPU_PACK)
+
+$(GPU_PACK)/pack.json:
+	$(MAKE) gpu-pack
+
+gpu-check: $(GPU_PACK)/pack.json
+	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py --pack $(GPU_PACK) $(GPU_CHECK_ARGS)
 
 # The MegaFace protocol, local-v1, for the default, the reference and the project-trained model: JSON,
 # plots and the side-by-side table in docs/results/megaface/ (about 5 minutes per model on 2 cores; cached).
