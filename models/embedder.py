@@ -90,16 +90,21 @@ class Embedder:
         [-1, 1]. ``normalize=False`` keeps the raw fused features, as the official LFW protocol
         needs them (it subtracts a mean before normalising).
         """
-        fusion = self.manifest.flip_fusion
-        if fusion == "none":
+        if self.manifest.flip_fusion == "none":
             fused = self.raw(crops)
         else:
             n = len(crops)
             # Original and mirrored crops in one pass so batches stay full.
             both = self.raw(np.concatenate([crops, crops[:, :, ::-1]]))
-            original, mirrored = both[:n], both[n:]
-            if fusion == "concat":
-                fused = np.concatenate([original, mirrored], axis=1)
-            else:
-                fused = original + mirrored
+            fused = self.fuse(both[:n], both[n:])
         return l2_normalize(fused) if normalize else fused
+
+    def fuse(self, original: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
+        """The manifest's flip fusion of the network's ``(N, D)`` outputs for crops and for their
+        mirrors (:meth:`raw`): concatenated, summed, or the crops' alone; not normalised."""
+        fusion = self.manifest.flip_fusion
+        if fusion == "concat":
+            return np.concatenate([original, mirrored], axis=1)
+        if fusion == "sum":
+            return original + mirrored
+        return original

@@ -40,8 +40,10 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "dataset_error": 400,
     "dataset_mismatch": 400,
     "damaged_recordio": 400,
+    "worker_died": 500,
     "megaface_data": 422,
     "invalid_lfw_data": 400,
+    "invalid_verification_set": 400,
     # the command line
     "invalid_arguments": 400,
     # the service

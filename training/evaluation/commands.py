@@ -1,4 +1,4 @@
-"""``sphereface evaluate`` (``lfw``, ``landmarks``, ``megaface``, ``megaface-shard``),
+"""``sphereface evaluate`` (``lfw``, ``landmarks``, ``megaface``, ``megaface-shard``, ``bin``, ``ijb``),
 ``sphereface calibrate`` and ``sphereface report``: the evaluation jobs' subcommands, added by
 :func:`register` (which :mod:`training.commands` calls). Each imports what it needs only when it
 runs, so ``sphereface --help`` stays instant."""
@@ -29,6 +29,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     _add_evaluate_landmarks(which)
     _add_evaluate_megaface(which)
     _add_evaluate_megaface_shard(which)
+    _add_evaluate_bin(which)
+    _add_evaluate_ijb(which)
 
 
 def _add_evaluate_lfw(which: argparse._SubParsersAction) -> None:
@@ -173,6 +175,88 @@ def _add_evaluate_megaface_shard(which: argparse._SubParsersAction) -> None:
     shard.add_argument("--batch-size", type=int, default=64)
     shard.add_argument("--no-progress", action="store_true", help="no progress bars")
     shard.set_defaults(func=_run_evaluate_megaface_shard)
+
+
+def _add_evaluate_bin(which: argparse._SubParsersAction) -> None:
+    ver = which.add_parser(
+        "bin",
+        help="insightface .bin verification sets (LFW, CFP-FP, AgeDB-30, CALFW, CPLFW): 10-fold accuracy",
+        description="Reads each set's pickle of 112x112 ArcFace-aligned faces and same/different labels "
+        "(only lists of bytes and bools are accepted), cuts the model's crop from each face, and reports "
+        "10-fold accuracy on the service's cosine, on insightface's scoring and on SphereFace's protocol, "
+        "with TAR at FAR 1e-3. See docs/reference/verification-sets.md.",
+    )
+    ver.add_argument("sets", nargs="+", metavar="FILE.bin", help="insightface .bin files")
+    ver.add_argument(
+        "--model", default="default", help="model name (`sphereface models`) or folder; default: default"
+    )
+    ver.add_argument("--json", dest="json_out", default=None, help="write every number here")
+    ver.add_argument("--providers", default="cpu", help="execution providers, e.g. cuda,cpu")
+    ver.add_argument("--batch-size", type=int, default=64)
+    ver.add_argument("--workers", type=int, default=2, help="threads decoding and cropping the faces")
+    ver.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ver.set_defaults(func=_run_evaluate_bin)
+
+
+def _add_evaluate_ijb(which: argparse._SubParsersAction) -> None:
+    ijb = which.add_parser(
+        "ijb",
+        help="IJB-B / IJB-C 1:1 template verification: TAR at FAR 1e-6..1e-1",
+        description="Faces of DATA/loose_crop aligned with the landmarks of DATA/meta, flip-summed, "
+        "weighted by their faceness score, averaged per media and summed per template; the cosine of "
+        "every template pair of the protocol (features cached under --cache, resumable). See "
+        "docs/reference/verification-sets.md.",
+    )
+    ijb.add_argument("--data", required=True, help="folder with loose_crop/ and meta/ (or its parent)")
+    ijb.add_argument("--protocol", required=True, choices=("IJBB", "IJBC"))
+    ijb.add_argument(
+        "--model", default="default", help="model name (`sphereface models`) or folder; default: default"
+    )
+    ijb.add_argument("--json", dest="json_out", default=None, help="write every number here")
+    ijb.add_argument("--cache", default=None, help="feature cache (default .cache/megaface)")
+    ijb.add_argument("--providers", default="cpu", help="execution providers, e.g. cuda,cpu")
+    ijb.add_argument("--batch-size", type=int, default=64)
+    ijb.add_argument("--workers", type=int, default=2, help="threads reading and aligning the faces")
+    ijb.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ijb.set_defaults(func=_run_evaluate_ijb)
+
+
+def _run_evaluate_bin(args: argparse.Namespace) -> int:
+    from models.registry import resolve_model
+    from training.evaluation.bin_eval import run_bin_evaluation
+
+    report = run_bin_evaluation(
+        resolve_model(args.model),
+        args.sets,
+        json_out=args.json_out,
+        providers=args.providers,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        progress=not args.no_progress,
+    )
+    print(f"model {report.model_id} on {report.provider} (template {report.template})")
+    for evaluation in report.evaluations:
+        print(evaluation.summary())
+    return 0
+
+
+def _run_evaluate_ijb(args: argparse.Namespace) -> int:
+    from models.registry import resolve_model
+    from training.evaluation.ijb import run_ijb, summary_lines
+
+    report = run_ijb(
+        resolve_model(args.model),
+        args.data,
+        args.protocol,
+        json_out=args.json_out,
+        cache_dir=args.cache,
+        providers=args.providers,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        progress=not args.no_progress,
+    )
+    print("\n".join(summary_lines(report)))
+    return 0
 
 
 def _run_evaluate_lfw(args: argparse.Namespace) -> int:

@@ -16,3 +16,10 @@ class MegaFaceDataError(SphereFaceError):
     """A probe or distractor set, a list file or a cache that cannot be used."""
 
     code = "megaface_data"
+
+
+class VerificationSetError(SphereFaceError):
+    """A verification set (an insightface ``.bin`` file, IJB meta files) that cannot be used; the
+    message names the file, and the line or the image where there is one."""
+
+    code = "invalid_verification_set"

@@ -517,8 +517,10 @@ def aligned_lfw_crops(
     progress: bool = False,
     cache_dir: str | Path | None = None,
     providers: str | Sequence[str] = "cpu",
+    template: Any = None,
 ) -> tuple[np.ndarray, list[str], LFWPairs]:
-    """Every image of the LFW pairs, aligned onto the SphereFace template, without a model.
+    """Every image of the LFW pairs, aligned onto the SphereFace template (or ``template``, a
+    :class:`models.align.AlignmentTemplate`), without a model.
 
     The crops of :func:`run_lfw_evaluation` for the trainer's periodic LFW check, which embeds
     them with the network being trained.
@@ -532,8 +534,8 @@ def aligned_lfw_crops(
         providers: execution providers of the detector (detect mode; part of the cache key).
 
     Returns:
-        ``crops`` ``(n_images, 112, 96, 3)`` uint8 RGB, ``names`` (sorted, relative to images/) and
-        the pairs (subset to ``pairs_per_fold`` when given).
+        ``crops`` ``(n_images, 112, 96, 3)`` (the template's size) uint8 RGB, ``names`` (sorted,
+        relative to images/) and the pairs (subset to ``pairs_per_fold`` when given).
 
     Raises:
         ValueError: ``landmarks`` is not one of :data:`LANDMARK_MODES`.
@@ -558,7 +560,7 @@ def aligned_lfw_crops(
             data_dir, names, cache_dir=cache_dir, providers=providers, workers=workers, progress=progress
         )
         reference = dict(zip(names, points, strict=True))
-    template = SPHEREFACE_TEMPLATE_112x96
+    template = SPHEREFACE_TEMPLATE_112x96 if template is None else template
 
     def work(name: str) -> np.ndarray:
         return align_face(read_image(data_dir / IMAGES_DIR / name), reference[name], template)

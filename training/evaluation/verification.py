@@ -14,12 +14,17 @@ thesis §2.3.6, "Testing"):
 
 ROC data (and the thresholds at fixed false-accept rates) are computed on the cosine the service
 returns: L2-normalised fused features, no mean subtraction.
+
+The same fold loop also runs insightface's verification rule for its ``.bin`` sets
+(:func:`insightface_10fold_accuracy`): pairs in 10 contiguous folds in file order, the squared L2
+distance of L2-normalised flip-summed features, and as each fold's threshold the first of
+``0, 0.01, ..., 3.99`` with the maximal training accuracy.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,15 @@ THRESHOLD_GRID = np.arange(-10000, 10001, dtype=np.float64) / 10000.0
 
 #: False-accept rates at which the ROC's true-accept rate is reported (when measurable).
 REPORTED_FARS = (1e-1, 1e-2, 1e-3)
+
+#: insightface's distance thresholds ``np.arange(0, 4, 0.01)`` (squared L2 distance of unit
+#: vectors, 0 to 4), as scores: the negated distances, so that a higher score is a closer pair.
+INSIGHTFACE_GRID = -np.arange(0, 4, 0.01)
+
+#: How a fold's threshold is chosen among the grid values with the maximal training accuracy:
+#: ``mean``: their mean (SphereFace's ``evaluation.m``); ``first``: the first in grid order
+#: (insightface's ``argmax``).
+THRESHOLD_RULES = ("mean", "first")
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,18 +75,23 @@ def grid_accuracies(scores: np.ndarray, is_same: np.ndarray, grid: np.ndarray = 
 
 
 def best_threshold(
-    scores: np.ndarray, is_same: np.ndarray, grid: np.ndarray = THRESHOLD_GRID
+    scores: np.ndarray, is_same: np.ndarray, grid: np.ndarray = THRESHOLD_GRID, rule: str = "mean"
 ) -> tuple[float, float]:
-    """The official threshold rule: mean of ALL grid thresholds with the maximal accuracy.
+    """The threshold with the maximal accuracy: by default the official rule, the mean of ALL grid
+    thresholds that reach it; ``rule="first"``: the first of them in grid order.
 
     Returns:
         ``(threshold, accuracy at the maximum)``.
     """
     if len(scores) == 0:
         raise ValueError("no scores to choose a threshold from")
+    if rule not in THRESHOLD_RULES:
+        raise ValueError(f"rule must be one of {THRESHOLD_RULES}, got {rule!r}")
     correct = grid_accuracies(scores, is_same, grid)
     best = correct.max()
-    return float(grid[correct == best].mean()), float(best / len(scores))
+    at_best = grid[correct == best]
+    threshold = at_best.mean() if rule == "mean" else at_best[0]
+    return float(threshold), float(best / len(scores))
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:
@@ -133,20 +152,36 @@ def lfw_10fold_accuracy(
         raise ValueError(f"features must be two (P, D) arrays of one shape, got {left.shape}, {right.shape}")
     if is_same.shape != (len(left),) or folds.shape != (len(left),):
         raise ValueError(f"is_same and folds must have shape ({len(left)},)")
-    fold_ids = np.unique(folds)
-    if len(fold_ids) < 2:
-        raise ValueError("the protocol needs at least 2 folds")
+    fold_ids = _fold_ids(folds)
     # Per-fold sums, so each fold's training mean is (total - own) / count.
     fold_sums = np.stack([left[folds == k].sum(axis=0) + right[folds == k].sum(axis=0) for k in fold_ids])
     fold_counts = np.array([2 * np.count_nonzero(folds == k) for k in fold_ids])
     total_sum, total_count = fold_sums.sum(axis=0), fold_counts.sum()
+
+    def scored_folds() -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        for i, k in enumerate(fold_ids):
+            mu = (total_sum - fold_sums[i]) / (total_count - fold_counts[i]) if subtract_mean else 0.0
+            yield folds == k, np.einsum("ij,ij->i", unit_rows(left - mu), unit_rows(right - mu))
+
+    return _cross_validate(scored_folds(), is_same, grid, "mean")
+
+
+def _fold_ids(folds: np.ndarray) -> np.ndarray:
+    fold_ids = np.unique(folds)
+    if len(fold_ids) < 2:
+        raise ValueError("the protocol needs at least 2 folds")
+    return fold_ids
+
+
+def _cross_validate(
+    scored_folds: Iterable[tuple[np.ndarray, np.ndarray]], is_same: np.ndarray, grid: np.ndarray, rule: str
+) -> TenFoldResult:
+    """For each ``(test mask, scores)``: the threshold chosen on the other pairs (``rule``), and its
+    accuracy on the test pairs; the mean over the folds (std with ddof=1)."""
     accuracies, thresholds, train_accuracies = [], [], []
-    for i, k in enumerate(fold_ids):
-        test = folds == k
+    for test, scores in scored_folds:
         train = ~test
-        mu = (total_sum - fold_sums[i]) / (total_count - fold_counts[i]) if subtract_mean else 0.0
-        scores = np.einsum("ij,ij->i", unit_rows(left - mu), unit_rows(right - mu))
-        threshold, train_accuracy = best_threshold(scores[train], is_same[train], grid)
+        threshold, train_accuracy = best_threshold(scores[train], is_same[train], grid, rule)
         accuracies.append(verification_accuracy(scores[test], is_same[test], threshold))
         thresholds.append(threshold)
         train_accuracies.append(train_accuracy)
@@ -158,6 +193,55 @@ def lfw_10fold_accuracy(
         threshold=float(np.mean(thresholds)),
         fold_train_accuracies=train_accuracies,
     )
+
+
+def contiguous_folds(n_pairs: int, n_folds: int = 10) -> np.ndarray:
+    """Fold label of each of ``n_pairs`` pairs split in file order into ``n_folds`` contiguous
+    folds, the first ``n_pairs % n_folds`` one pair longer (scikit-learn's unshuffled ``KFold``,
+    which insightface's verification uses)."""
+    if not 2 <= n_folds <= n_pairs:
+        raise ValueError(f"need 2 <= n_folds <= n_pairs, got {n_folds} folds of {n_pairs} pairs")
+    sizes = np.full(n_folds, n_pairs // n_folds)
+    sizes[: n_pairs % n_folds] += 1
+    return np.repeat(np.arange(n_folds), sizes)
+
+
+def cross_validated_accuracy(
+    scores: np.ndarray, is_same: np.ndarray, folds: np.ndarray, grid: np.ndarray, rule: str
+) -> TenFoldResult:
+    """10-fold accuracy of scores that do not depend on the fold (higher = more likely the same
+    person): each fold's threshold chosen on the other folds from ``grid`` by ``rule``."""
+    scores = np.asarray(scores, dtype=np.float64)
+    is_same = np.asarray(is_same, dtype=bool)
+    folds = np.asarray(folds)
+    if scores.ndim != 1 or is_same.shape != scores.shape or folds.shape != scores.shape:
+        raise ValueError("scores, is_same and folds must be three (P,) arrays")
+    fold_ids = _fold_ids(folds)
+    return _cross_validate(((folds == k, scores) for k in fold_ids), is_same, np.asarray(grid), rule)
+
+
+def insightface_10fold_accuracy(
+    features_left: np.ndarray, features_right: np.ndarray, is_same: np.ndarray, folds: np.ndarray
+) -> TenFoldResult:
+    """insightface's verification accuracy (its ``eval/verification.py``, ``evaluate``).
+
+    Args:
+        features_left, features_right: ``(P, D)`` features of the two faces of each pair, each the
+            sum of the network's outputs for the face and its mirror (not yet normalised).
+        folds: ``(P,)`` fold labels (insightface: :func:`contiguous_folds`).
+
+    The features are L2-normalised; a pair's score is minus the squared L2 distance (0 to 4), so
+    thresholds, reported in :class:`TenFoldResult` as scores, are minus insightface's distances.
+    insightface accepts a pair when its distance is below the threshold and rejects it otherwise;
+    here a pair exactly at the threshold is an error either way, which can differ only on an exact
+    tie with one of the 400 grid values.
+    """
+    left = unit_rows(np.asarray(features_left, dtype=np.float64))
+    right = unit_rows(np.asarray(features_right, dtype=np.float64))
+    if left.ndim != 2 or left.shape != right.shape:
+        raise ValueError(f"features must be two (P, D) arrays of one shape, got {left.shape}, {right.shape}")
+    scores = -np.sum(np.square(left - right), axis=1)
+    return cross_validated_accuracy(scores, is_same, folds, INSIGHTFACE_GRID, "first")
 
 
 # --------------------------------------------------------------------------------------------
