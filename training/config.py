@@ -290,6 +290,9 @@ class TrainConfig(RunConfig):
     lfw_every: int = 2000
     #: Pairs per fold for the periodic check (None: all 600); the final check always uses all.
     lfw_pairs_per_fold: int | None = None
+    #: insightface ``.bin`` verification sets (e.g. ``["data/lfw.bin", "data/cfp_fp.bin"]``) checked
+    #: at the LFW check's steps (``lfw_every`` and the end), all pairs (training.verification_check).
+    verification_sets: list[str] = field(default_factory=list)
     #: Stop with a clear error when the mean feature norm ||x|| of a log interval falls below this
     #: fraction of the first interval's (the collapse of docs/results/loss-comparison.md §1: loss -> ln C,
     #: accuracy -> 0); 0 turns the check off.
@@ -311,8 +314,9 @@ class TrainConfig(RunConfig):
         "weighted_gradients", "opt", "opt_options", "hidden_mhe_weight", "hidden_mhe_half_space",
         "hidden_mhe_projection", "hidden_mhe_options", "batch_size", "batch_scope", "steps", "lr",
         "lr_drops", "warmup_steps", "momentum", "weight_decay", "flip", "augment", "precision", "seed",
-        "loader", "device", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold", "log_every",
-        "feature_norm_collapse", "checkpoint_every", "init_from", "threads", "distill_from", "distill_weight",
+        "loader", "device", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold", "verification_sets",
+        "log_every", "feature_norm_collapse", "checkpoint_every", "init_from", "threads", "distill_from",
+        "distill_weight",
     )  # fmt: skip
     OVERRIDE_TABLES: ClassVar[tuple[str, ...] | None] = ("head_options", "augment")
     #: The fields a resume (``--resume``) may change (training.resume): where the run folder lives,
@@ -321,7 +325,7 @@ class TrainConfig(RunConfig):
     #: other difference from the run's own config is refused, naming the fields.
     RESUME_MAY_CHANGE: ClassVar[tuple[str, ...]] = (
         "out_dir", "log_every", "checkpoint_every", "lfw", "lfw_landmarks", "lfw_every", "lfw_pairs_per_fold",
-        "feature_norm_collapse", "threads",
+        "verification_sets", "feature_norm_collapse", "threads",
     )  # fmt: skip
     REMOVED_FIELDS: ClassVar[dict[str, str]] = {
         "lambda_scale_to_run": (
@@ -368,6 +372,11 @@ class TrainConfig(RunConfig):
             (self.batch_scope in BATCH_SCOPES, "batch_scope must be global or process"),
             (self.min_photos_per_identity >= 1, "min_photos_per_identity must be at least 1"),
             (self.lfw_landmarks in ("detect", "file"), "lfw_landmarks must be detect or file"),
+            (
+                isinstance(self.verification_sets, list)
+                and all(isinstance(p, str) and p for p in self.verification_sets),
+                "verification_sets must be a list of .bin file paths",
+            ),
             (0 <= self.feature_norm_collapse < 1, "feature_norm_collapse is a fraction in [0, 1)"),
             (bool(self.data_paths), "data needs at least one prepared folder"),
             (self.distill_weight >= 0, "distill_weight must be >= 0"),

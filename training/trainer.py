@@ -67,6 +67,7 @@ from training.regularisers import build_step_hooks
 from training.resume import config_changes, original_config, record_resume, resumed_config
 from training.run_log import CsvLog, plot_training_curves
 from training.step_hooks import StepHooks, StepInputs
+from training.verification_check import VerificationSetsCheck
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,7 @@ class _Run:
     step_lr: float = 0.0
     lfw: LFWEvaluation | None = None  # the main process's, when the config names an LFW folder
     csv_log: CsvLog | None = None  # the main process's
+    verification: VerificationSetsCheck | None = None  # the main process's, for verification_sets
 
     @property
     def checkpoint_path(self) -> Path:
@@ -403,13 +405,18 @@ def _distributed(model: FaceClassifier, ctx: DistributedContext) -> nn.Module:
 
 
 def _add_main_process_work(run: _Run, per_rank_batch: int) -> None:
-    """The main process's LFW check and CSV log."""
+    """The main process's LFW check, verification-set check and CSV log."""
     config, ctx, data = run.config, run.ctx, run.data
     if not ctx.is_main:
         return
     if config.lfw:
         check = LFWCheck(config.lfw, config.lfw_pairs_per_fold, ctx.device, run.bf16, config.lfw_landmarks)
         run.lfw = LFWEvaluation(check, run.model.net, config.lfw_every)
+    if config.verification_sets:
+        run.verification = VerificationSetsCheck(
+            config.verification_sets, run.model.net, ctx.device, run.bf16, config.lfw_every,
+            config.run_dir / "verification.csv", run.start_step,
+        )  # fmt: skip
     run.csv_log = CsvLog(config.run_dir / "log.csv", run.start_step)
     log.info(
         "training %s: %s + %s on %s (%s loader, %d processes x batch %d, %s), %d faces, %d classes, "
@@ -532,7 +539,8 @@ def _postfix(metrics: dict[str, Any], last_lfw: dict[str, Any] | None) -> dict[s
 
 
 def _callbacks(run: _Run, until: int, progress: bool, history: History) -> Callbacks:
-    """The loop's periodic work, in order: health, LFW, CSV log, history, progress, checkpoint."""
+    """The loop's periodic work, in order: health, LFW, verification sets, CSV log, history, progress,
+    checkpoint."""
     config = run.config
 
     def postfix(row: dict[str, Any]) -> dict[str, str]:
@@ -543,7 +551,7 @@ def _callbacks(run: _Run, until: int, progress: bool, history: History) -> Callb
         unit="step", dynamic_ncols=True,
     )  # fmt: skip
     checkpoints = Checkpointer(partial(_save_run_checkpoint, run), config.checkpoint_every, until)
-    return Callbacks([run.health, run.lfw, run.csv_log, history, bar, checkpoints])
+    return Callbacks([run.health, run.lfw, run.verification, run.csv_log, history, bar, checkpoints])
 
 
 def _train_loop(run: _Run, until: int, progress: bool) -> _LoopResult:
@@ -610,6 +618,7 @@ def _write_summary(run: _Run, loop: _LoopResult, checksums: list[str]) -> dict[s
         "first_feature_norm": run.health.first_feature_norm,
         "lfw": loop.last_lfw,
         "lfw_landmarks": config.lfw_landmarks if config.lfw else None,
+        "verification_sets": run.verification.last if run.verification is not None else None,
         **_classifier_geometry(run.model.head),
         "rank_weight_checksums": checksums,
         "checkpoint": str(run.checkpoint_path),
