@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import re
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from training.prepare import (
     load_training_set,
     prepare_dataset,
 )
+from training.worker_pool import WorkerDied, ordered_results
 
 pytestmark = pytest.mark.shared_data
 
@@ -517,3 +523,74 @@ def test_training_set_errors_are_clear(two_sources, tmp_path):
     message = info.value.message
     assert "no identity has 5 or more faces" in message
     assert "its 4 identities have at most 4 faces each (1 with 4, 2 with 3, 1 with 1)" in message
+
+
+# --------------------------------------------------------------------------------------------
+# A worker process that dies
+# --------------------------------------------------------------------------------------------
+
+
+def _square_or_die(task: int) -> int:
+    """A pool task: ``task ** 2``, except that the worker running task 7 kills itself."""
+    if task == 7:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return task * task
+
+
+def test_the_pool_names_the_task_whose_worker_died_and_the_next_pool_works():
+    results = []
+    started = time.monotonic()
+    with pytest.raises(WorkerDied) as died:
+        for value in ordered_results(_square_or_die, list(range(40)), workers=2):
+            results.append(value)
+    assert time.monotonic() - started < 60  # no waiting for a result that never comes
+    assert died.value.tasks == [7]  # the other worker, stopped by the pool, is not blamed
+    assert len(results) <= 7 and results == [i * i for i in range(len(results))]
+    assert list(ordered_results(_square_or_die, [1, 2, 3, 4], workers=2, chunksize=2)) == [1, 4, 9, 16]
+
+
+def _prepare_in_a_thread(celeba: Path, out: Path) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = prepare_dataset(
+                celeba, out, limit_identities=LIMIT, workers=2, shard_size=SHARD_SIZE, progress=False
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_prepare_fails_clearly_when_a_worker_is_killed_and_a_rerun_completes(prepared, celeba, tmp_path):
+    out = tmp_path / "killed"
+    before = {p.pid for p in multiprocessing.active_children()}
+    thread, outcome = _prepare_in_a_thread(celeba, out)
+    deadline = time.monotonic() + 120
+    while not (out / "meta_00000.json").exists():  # the first shard is written
+        assert thread.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.01)
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == 2
+    os.kill(workers[0].pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "prepare hangs after a worker died"
+    error = outcome.get("error")
+    assert isinstance(error, WorkerDied) and error.code == "worker_died", outcome
+    found = re.search(r"while on photo (\d+) \((.+?)\) of shard (\d+) \(killed", str(error))
+    assert found, str(error)
+    photo, shard = int(found.group(1)), int(found.group(3))
+    assert shard >= 1 and shard * SHARD_SIZE <= photo < (shard + 1) * SHARD_SIZE
+    assert found.group(2).split("/")[0] in prepared.manifest["identity_counts"]
+    assert "shards are written and kept: run the same command again" in str(error)
+    kept = (out / "meta_00000.json").read_bytes()
+
+    again = prepare_dataset(
+        celeba, out, limit_identities=LIMIT, workers=2, shard_size=SHARD_SIZE, progress=False
+    )
+    assert again.last_run["shards_reused"] >= 1 and (out / "meta_00000.json").read_bytes() == kept
+    for new, old in zip(again.concatenate(), prepared.concatenate(), strict=True):
+        np.testing.assert_array_equal(new, old)

@@ -1,13 +1,13 @@
 """The photo workers of ``sphereface prepare``: read, detect and align photos in worker processes.
 
-Each worker holds one MTCNN on one ONNX Runtime thread; results come back in task order. The
-face nearest the photo centre is kept (``select_faces(..., "central", ...)``) and aligned onto
-the SphereFace 112x96 template (thesis §2.3.6 "Preprocessing").
+Each worker holds one MTCNN on one ONNX Runtime thread; results come back in task order
+(:func:`training.worker_pool.ordered_results`, which reports a worker that died). The face
+nearest the photo centre is kept (``select_faces(..., "central", ...)``) and aligned onto the
+SphereFace 112x96 template (thesis §2.3.6 "Preprocessing").
 """
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ import numpy as np
 
 from models.align import SPHEREFACE_TEMPLATE_112x96
 from models.errors import FacePathError
+from training.worker_pool import ordered_results
 
 TEMPLATE = SPHEREFACE_TEMPLATE_112x96
 FACE_POLICY = "central"
@@ -77,24 +78,17 @@ def work(task: tuple[int, str]) -> tuple[int, np.ndarray | None, str | None, str
     return index, crop, reason, message
 
 
-def pool_context() -> multiprocessing.context.BaseContext:
-    # Never fork a parent that may hold ONNX Runtime threads: forkserver where there is one.
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-
-
 def aligned_results(
     tasks: list[tuple[int, str]], workers: int, providers: str, min_face_size: float
 ) -> Iterator[tuple[int, np.ndarray | None, str | None, str | None]]:
-    """Results of :func:`work` over ``tasks``, in task order (``workers <= 1``: in this process)."""
-    if not tasks:
-        return
-    if workers <= 1:
-        worker_init(providers, min_face_size)
-        for task in tasks:
-            yield work(task)
-        return
-    workers = min(workers, len(tasks))
-    chunksize = max(1, min(16, len(tasks) // (workers * 8)))
-    with pool_context().Pool(workers, initializer=worker_init, initargs=(providers, min_face_size)) as pool:
-        yield from pool.imap(work, tasks, chunksize=chunksize)
+    """Results of :func:`work` over ``tasks``, in task order (``workers <= 1``: in this process).
+
+    Raises:
+        training.worker_pool.WorkerDied: a worker process died; its ``tasks`` are the
+            ``(photo index, path)`` it was aligning.
+    """
+    chunksize = max(1, min(16, len(tasks) // (max(workers, 1) * 8)))
+    settings = (providers, min_face_size)
+    yield from ordered_results(
+        work, tasks, workers, initializer=worker_init, initargs=settings, chunksize=chunksize
+    )

@@ -52,6 +52,7 @@ import numpy as np
 
 from models.errors import SphereFaceError
 from training.align_workers import DEFAULT_MIN_FACE_SIZE, FACE_POLICY, TEMPLATE, aligned_results
+from training.worker_pool import WorkerDied, died_in_shards
 
 log = logging.getLogger(__name__)
 
@@ -846,7 +847,7 @@ def _align_pending(
     progress: bool,
 ) -> int:
     """Align the photos of the ``pending`` shards and write each shard (its meta into ``metas``);
-    returns the number of photos processed."""
+    returns the number of photos processed (WorkerDied, naming the photo, when a worker died)."""
     photos = job.photos
     tasks = [(i, str(job.src / photos[i][0])) for k in pending for i in range(*ranges[k])]
     bar = _progress(len(photos), len(photos) - len(tasks), progress)
@@ -862,6 +863,9 @@ def _align_pending(
                 job.out, k, job.fingerprint, (first, last), crops, labels, paths, skipped,
                 time.perf_counter() - shard_started,
             )  # fmt: skip
+    except WorkerDied as died:
+        on = [(i, f"photo {i} ({photos[i][0]})") for i, _ in died.tasks]
+        raise died_in_shards(died, on, ranges, len(metas)) from None
     finally:
         stream.close()  # stops the worker pool, also when this loop fails or is interrupted
         if bar is not None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from models.align import ARCFACE_TEMPLATE_112x112
-from training.align_workers import TEMPLATE, pool_context
+from training.align_workers import TEMPLATE
 from training.formats.insightface import (
     LAYOUT_IDENTITY_HEADER,
     InsightFaceRecordIO,
@@ -65,6 +65,7 @@ from training.prepare import (
     _write_json,
     _write_shard,
 )
+from training.worker_pool import WorkerDied, died_in_shards, ordered_results
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +235,8 @@ def decoded_chunks(
                 _WORKER["file"].close()
                 _WORKER["file"] = None
         return
-    workers = min(workers, len(tasks))
-    with pool_context().Pool(workers, initializer=_worker_init, initargs=(str(rec), size)) as pool:
-        yield from pool.imap(decode_chunk, tasks)
+    setup = (str(rec), size)
+    yield from ordered_results(decode_chunk, tasks, workers, initializer=_worker_init, initargs=setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,6 +269,9 @@ def _decode_pending(
                 job.out, k, job.fingerprint, (first, last), crops, labels, paths, skipped,
                 time.perf_counter() - shard_started,
             )  # fmt: skip
+    except WorkerDied as died:
+        on = [(a, f"records {a}..{a + len(keys) - 1}") for a, keys, _ in died.tasks]
+        raise died_in_shards(died, on, ranges, len(metas)) from None
     finally:
         stream.close()  # stops the worker pool, also when this loop fails or is interrupted
         if bar is not None:
