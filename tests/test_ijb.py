@@ -23,6 +23,7 @@ from training.evaluation.ijb import (
     embed_ijb_faces,
     load_ijb,
     nearest_point_tar,
+    pair_scores,
     score_ijb,
     template_features,
 )
@@ -169,6 +170,17 @@ def test_template_features_by_hand():
     # template 7: media 1 -> (1, 0); media 2 -> mean of (0, 1) and (0, 2) = (0, 1.5); sum (1, 1.5)
     np.testing.assert_allclose(out[1], np.array([1.0, 1.5]) / np.hypot(1.0, 1.5))
     np.testing.assert_allclose(out[0], [1.0, 0.0])
+
+
+def test_pair_scores_are_the_same_in_chunks():
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(6, 4))
+    ids = np.array([2, 3, 5, 8, 13, 21])
+    first, second = rng.choice(ids, 50), rng.choice(ids, 50)
+    whole = pair_scores(ids, features, first, second)
+    np.testing.assert_allclose(pair_scores(ids, features, first, second, chunk=7), whole)
+    i, j = np.searchsorted(ids, first[0]), np.searchsorted(ids, second[0])
+    assert whole[0] == pytest.approx(features[i] @ features[j])
 
 
 def test_nearest_point_reading_prefers_the_higher_tar_among_equally_near_points():

@@ -238,7 +238,8 @@ def template_features(
     Returns:
         the sorted template ids ``(T,)`` and their ``(T, D)`` features.
     """
-    weighted = np.asarray(face_features, dtype=np.float64) * np.asarray(faceness, dtype=np.float64)[:, None]
+    # float32, as the features are cached: IJB-C's half a million faces x 512 floats stay under 1 GB
+    weighted = np.asarray(face_features, dtype=np.float32) * np.asarray(faceness, dtype=np.float32)[:, None]
     keys = np.stack([templates, medias], axis=1)
     media_keys, media_of_face, faces_per_media = np.unique(
         keys, axis=0, return_inverse=True, return_counts=True
@@ -251,12 +252,23 @@ def template_features(
 
 
 def pair_scores(
-    template_ids: np.ndarray, features: np.ndarray, first: np.ndarray, second: np.ndarray
+    template_ids: np.ndarray,
+    features: np.ndarray,
+    first: np.ndarray,
+    second: np.ndarray,
+    chunk: int | None = None,
 ) -> np.ndarray:
-    """Step 5: the cosine of every pair's two template features (``template_ids`` sorted)."""
+    """Step 5: the cosine of every pair's two template features (``template_ids`` sorted), ``chunk``
+    pairs at a time (default: as many as take about 256 MB of gathered features; IJB-C has 15.7
+    million pairs)."""
     a = np.searchsorted(template_ids, first)
     b = np.searchsorted(template_ids, second)
-    return np.einsum("ij,ij->i", features[a], features[b])
+    chunk = chunk or max(1, (1 << 25) // max(1, features.shape[1]))
+    scores = np.empty(len(a), dtype=np.float64)
+    for start in range(0, len(a), chunk):
+        end = start + chunk
+        scores[start:end] = np.einsum("ij,ij->i", features[a[start:end]], features[b[start:end]])
+    return scores
 
 
 def nearest_point_tar(far: np.ndarray, tar: np.ndarray, target: float) -> float:
