@@ -113,7 +113,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a config field (repeatable), e.g. --set steps=200 --set head_options.m=2",
     )
-    p.add_argument("--resume", action="store_true", help="continue the run from its checkpoint.pt")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run from its checkpoint.pt (start it when there is none) with the run's own "
+        "config: a change beyond logging, checkpoint and check settings is refused",
+    )
     p.add_argument(
         "--until-step",
         type=int,
