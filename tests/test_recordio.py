@@ -228,6 +228,16 @@ def test_a_record_holding_the_magic_number_is_split_and_rejoined(faces, header_s
     assert record.image == faces[5][1] and struct.pack("<I", MAGIC) * 2 in record.image
 
 
+def test_the_crop_rule_names_the_columns_or_the_padding():
+    from models.align import DLIB_TEMPLATE_150x150, SPHEREFACE_TEMPLATE_112x96
+    from training.formats.insightface import crop_rule
+
+    assert crop_rule(SPHEREFACE_TEMPLATE_112x96).startswith("rows 0-111, columns 8-103 of each")
+    rewarped = crop_rule(DLIB_TEMPLATE_150x150)
+    assert rewarped.startswith("re-warped from the ArcFace template's five points onto dlib_150x150")
+    assert "black (0) padding where the crop reaches beyond the record (10.3% of it)" in rewarped
+
+
 # --------------------------------------------------------------------------------------------
 # sphereface prepare train.rec, then sphereface train
 # --------------------------------------------------------------------------------------------
