@@ -250,8 +250,8 @@ bench-train-overhead: prepare-celeba
 
 # The GPU check (docs/gpu.md). gpu-pack, here: the prepared celeba_faces crops and 600 LFW pairs as JPEG in
 # .cache/gpu-pack (about 26 MiB, seconds), which the device tool carries to a lent GPU machine. gpu-check:
-# the check in one command, within a time budget, its table last and its JSON in $$OUT (else
-# runs/gpu_check): the full run on a GPU (about 8 minutes), a tiny one on a CPU (under a minute; make test
+# the check in one command, within a time budget, its table last and its JSON in $OUT (else
+# runs/gpu_check): the full run on a GPU (about 8 minutes), a tiny one on a CPU (about a minute; make test
 # runs it too). On the GPU machine there is no .venv: python3 runs it from the checkout.
 GPU_PACK := $(CACHE)/gpu-pack
 GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
