@@ -185,7 +185,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--budget", type=float, default=None, help="seconds for all sections (450 full, 240 tiny)"
     )
-    sections_help = f"comma-separated, from: {', '.join(SECTIONS)} (default: all; all but compile on tiny)"
+    sections_help = (
+        f"comma-separated, from: {', '.join(SECTIONS)} (default: all; all but compile on tiny); "
+        "environment always runs"
+    )
     ap.add_argument("--sections", default=None, help=sections_help)
     ap.add_argument(
         "--work", default=None, help="scratch folder (default: a temporary one, removed at the end)"
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else (450.0 if sizes is FULL else 240.0)
     default = [s for s in SECTIONS if sizes is FULL or s != "compile"]
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else default
+    chosen = ["environment", *chosen]  # every other section reads the pack it decodes
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; known: {list(SECTIONS)}")
