@@ -315,6 +315,32 @@ def test_a_deleted_shard_is_redone_and_the_rest_reused(header_set, tmp_path):
     assert done.last_run["photos_processed"] == 0
 
 
+def test_a_dead_worker_is_named_by_its_records_and_a_rerun_continues(header_set, tmp_path, monkeypatch):
+    """A worker that dies on the second shard (here: the pool's report of it, raised after the
+    first shard's chunks) names the record keys it was on; the written shard is kept."""
+    import training.formats.prepare_recordio as prepare_module
+    from training.worker_pool import WorkerDied
+
+    real = prepare_module.decoded_chunks
+
+    def dies_on_the_second_shard(tasks, workers, rec, size):
+        for task in tasks:
+            if task[0] >= 8:
+                raise WorkerDied("a worker process died while running 1 task(s)", [task])
+            yield from real([task], 1, rec, size)
+
+    monkeypatch.setattr(prepare_module, "decoded_chunks", dies_on_the_second_shard)
+    out = tmp_path / "died"
+    with pytest.raises(
+        WorkerDied, match=r"while on records 9\.\.16 of shard 1 \(killed.*1 of \d+ shards are written"
+    ):
+        prepare_recordio(header_set, out, workers=2, shard_size=8, progress=False)
+    kept = (out / "meta_00000.json").read_bytes()
+    monkeypatch.setattr(prepare_module, "decoded_chunks", real)
+    again = prepare_recordio(header_set, out, workers=2, shard_size=8, progress=False)
+    assert again.last_run["shards_reused"] == 1 and (out / "meta_00000.json").read_bytes() == kept
+
+
 # --------------------------------------------------------------------------------------------
 # Damaged files
 # --------------------------------------------------------------------------------------------

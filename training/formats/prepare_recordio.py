@@ -270,7 +270,7 @@ def _decode_pending(
                 time.perf_counter() - shard_started,
             )  # fmt: skip
     except WorkerDied as died:
-        on = [(a, f"records {a}..{a + len(keys) - 1}") for a, keys, _ in died.tasks]
+        on = [(a, f"records {keys[0]}..{keys[-1]}") for a, keys, _ in died.tasks]  # record keys
         raise died_in_shards(died, on, ranges, len(metas)) from None
     finally:
         stream.close()  # stops the worker pool, also when this loop fails or is interrupted
