@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -95,20 +96,20 @@ def hooked_macs(net: torch.nn.Module, input_shape: tuple[int, int, int] = (3, 11
 
 def _matmul_tflops(device: torch.device, n: int, until: float) -> float:
     """The device's dense matrix-product rate, TFLOP/s: ``n x n x n`` products, bf16 on a GPU
-    (fp32 on the CPU), best of a few."""
+    (fp32 on the CPU), the best of 3 to 5 rounds of 10."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     synchronize(device)
     best = 0.0
-    for _ in range(5):
+    for k in range(5):
         started = time.perf_counter()
         for _ in range(10):
             a @ b
         synchronize(device)
         best = max(best, 10 * 2 * n**3 / (time.perf_counter() - started) / 1e12)
-        if time.perf_counter() > until:
+        if k >= 2 and time.perf_counter() > until:
             break
     return best
 
@@ -170,13 +171,42 @@ class JpegFaces(torch.utils.data.Dataset):
         return (x - 127.5) / 128.0, int(self.labels[i])
 
 
+def shared_memory_free() -> int | None:
+    """Free bytes of ``/dev/shm``, where DataLoader workers hand their batches over (None: no such
+    folder)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def loader_settings(workers: int, batch: int, shm_free: int | None) -> tuple[int, int]:
+    """``(workers, prefetch_factor)`` for the DataLoader baseline: 4 batches ahead per worker, fewer
+    (and then fewer workers) when the float batches in flight would fill half of ``/dev/shm``."""
+    per_batch = batch * 3 * 112 * 96 * 4
+    prefetch = 4
+    if shm_free is None:
+        return workers, prefetch
+    while workers > 1 and workers * prefetch * per_batch > shm_free / 2:
+        if prefetch > 2:
+            prefetch -= 1
+        else:
+            workers -= 1
+    return workers, prefetch
+
+
 def _dataloader(check: Check, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     dataset = JpegFaces(check.pack.files, check.pack.labels)
     sampler = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=10**9)
-    workers = check.sizes.loader_workers
+    workers, prefetch = loader_settings(check.sizes.loader_workers, batch, shared_memory_free())
+    check.found.setdefault("dataloader_settings", {})[batch] = {
+        "workers": workers,
+        "prefetch_factor": prefetch,
+    }
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch, sampler=sampler, num_workers=workers, pin_memory=check.cuda,
-        drop_last=True, persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
+        drop_last=True, persistent_workers=workers > 0, prefetch_factor=prefetch if workers else None,
     )  # fmt: skip
     for images, labels in loader:
         yield images.to(check.device, non_blocking=True), labels.to(check.device, non_blocking=True)
@@ -247,29 +277,41 @@ def _steps(
         optimizer.step()
 
 
-def _rounds(check: Check, batch: int, sources: dict, iterators: dict, until: float) -> dict[str, list[float]]:
-    """Interleaved rounds (the order rotated each round) of every variant; images/s per round."""
+def _round(check: Check, batch: int, layout: str, model_opt: tuple, batches: Iterator, warmup: int) -> float:
+    """One timed round of one variant: images/s over ``round_steps`` steps after ``warmup`` untimed ones."""
+    model, optimizer = model_opt
+    _steps(model, optimizer, batches, layout, warmup, check)
+    synchronize(check.device)
+    started = time.perf_counter()
+    _steps(model, optimizer, batches, layout, check.sizes.round_steps, check)
+    synchronize(check.device)
+    return check.sizes.round_steps * batch / (time.perf_counter() - started)
+
+
+def _rounds(check: Check, batch: int, sources: dict, iterators: dict, until: float) -> dict[str, Any]:
+    """Interleaved rounds (the order rotated each round) of every variant: images/s per round, or
+    the error that stopped a variant (the others go on without it)."""
     sizes = check.sizes
     models = _models(check)
-    rates: dict[str, list[float]] = {name: [] for name in sources}
+    rates: dict[str, Any] = {name: [] for name in sources}
     names = list(sources)
     for r in range(sizes.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if not isinstance(rates[name], list):
+                continue
             layout = sources[name][0]
-            model, optimizer = models[layout]
-            _steps(model, optimizer, iterators[name], layout, sizes.warmup * (2 if r == 0 else 1), check)
-            synchronize(check.device)
-            started = time.perf_counter()
-            _steps(model, optimizer, iterators[name], layout, sizes.round_steps, check)
-            synchronize(check.device)
-            rates[name].append(sizes.round_steps * batch / (time.perf_counter() - started))
+            warmup = sizes.warmup * (2 if r == 0 else 1)
+            try:
+                rates[name].append(_round(check, batch, layout, models[layout], iterators[name], warmup))
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others' numbers
+                rates[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         if time.perf_counter() > until:
             break
     return rates
 
 
 def _time_batch_size(check: Check, batch: int, until: float) -> dict[str, Any]:
-    """Images/s of every variant at one batch size (median of the rounds, with the range)."""
+    """Images/s of every variant at one batch size (median of the rounds, with the range), or its error."""
     sources = _sources(check, batch)
     iterators = {name: make() for name, (_, make) in sources.items()}
     try:
@@ -279,7 +321,26 @@ def _time_batch_size(check: Check, batch: int, until: float) -> dict[str, Any]:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
-    return {name: spread(values) for name, values in rates.items()}
+    return {name: spread(values) if isinstance(values, list) and values else {"error": values}
+            for name, values in rates.items()}  # fmt: skip
+
+
+def _batch_row(batch: int, result: dict[str, Any], check: Check) -> Row:
+    """The table row of one batch size: every variant's rate, and the best loader against the DataLoader."""
+    parts, failed = [], False
+    for name, r in result.items():
+        failed = failed or "error" in r
+        parts.append(f"{name} {'FAILED (' + str(r['error']) + ')' if 'error' in r else rate_text(r)}")
+    text = "; ".join(parts) + " img/s"
+    loaders = [
+        result[n]["median"] for n in ("GPU-resident loader", "streaming loader") if "median" in result[n]
+    ]
+    if loaders:
+        best = max(loaders)
+        check.found["best_images_per_s"] = max(check.found.get("best_images_per_s", 0.0), best)
+        if "median" in result["DataLoader + PIL"]:
+            text += f"; best loader / DataLoader {best / result['DataLoader + PIL']['median']:.2f}x"
+    return Row(f"training img/s, batch {batch}", "FAIL" if failed else "ok", text)
 
 
 def throughput_section(check: Check, until: float, rows: list[Row], details: dict[str, Any]) -> None:
@@ -290,19 +351,15 @@ def throughput_section(check: Check, until: float, rows: list[Row], details: dic
         raise Skip("needs the environment section (the unpacked pack)")
     images, labels = load_prepared(check.prepared).concatenate()
     check.found["faces"] = (torch.from_numpy(images), torch.from_numpy(labels))
-    details.update(bf16=check.cuda, cudnn_benchmark=True, loader_workers=check.sizes.loader_workers)
+    details.update(bf16=check.cuda, cudnn_benchmark=True, shm_free_bytes=shared_memory_free())
     batches = check.sizes.throughput_batches
     torch.backends.cudnn.benchmark = True
     try:
         for k, batch in enumerate(batches):
             share = (until - time.perf_counter()) / (len(batches) - k)
             result = details[f"batch_{batch}"] = _time_batch_size(check, batch, time.perf_counter() + share)
-            best_loader = max(result[n]["median"] for n in ("GPU-resident loader", "streaming loader"))
-            check.found["best_images_per_s"] = max(check.found.get("best_images_per_s", 0.0), best_loader)
-            baseline = result["DataLoader + PIL"]["median"]
-            text = "; ".join(f"{name} {rate_text(r)}" for name, r in result.items())
-            text += f" img/s; best loader / DataLoader {best_loader / baseline:.2f}x"
-            rows.append(Row(f"training img/s, batch {batch}", "ok", text))
+            rows.append(_batch_row(batch, result, check))
+            details["dataloader"] = check.found.get("dataloader_settings")
     finally:
         torch.backends.cudnn.benchmark = False
 

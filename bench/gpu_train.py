@@ -32,6 +32,7 @@ import torch
 
 from bench.gpu_common import Check, Row, Skip, images_per_s, rate_text
 from bench.gpu_pack import lfw_of, unpack
+from bench.gpu_speed import shared_memory_free
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "training" / "configs" / "base.toml"
@@ -91,7 +92,10 @@ def environment(check: Check, until: float, rows: list[Row], info: dict[str, Any
         )
     else:
         what = f"CPU only: {info['cpu']}, torch {info['torch']}"
-    what += f"; {info['cpus']} CPUs; onnxruntime {info['onnxruntime']}"
+    info["shm_free_gib"] = round((shared_memory_free() or 0) / 2**30, 1)
+    what += (
+        f"; {info['cpus']} CPUs; /dev/shm {info['shm_free_gib']} GiB free; onnxruntime {info['onnxruntime']}"
+    )
     rows.append(Row("machine", "ok", what))
     started = time.perf_counter()
     check.prepared = unpack(check.pack, check.work / "prepared", workers=min(8, info["cpus"]))

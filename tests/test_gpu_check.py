@@ -142,3 +142,32 @@ def test_a_section_that_fails_or_overruns_keeps_what_it_found(tiny_pack, monkeyp
     )
     status, rows, _ = gpu_check._run_section("broken", broken, check, budget=1.0)
     assert status == "FAIL" and rows[0].label == "first part" and "the second part broke" in rows[1].result
+
+
+def test_the_dataloader_baseline_holds_at_most_half_of_dev_shm_in_flight():
+    from bench.gpu_speed import loader_settings
+
+    batch_bytes = 512 * 3 * 112 * 96 * 4
+    assert loader_settings(16, 512, 64 * 2**30) == (16, 4)  # 2.1 GB in flight of 64 GiB
+    assert loader_settings(16, 512, None) == (16, 4)
+    workers, prefetch = loader_settings(16, 512, 2 * 2**30)
+    assert (
+        prefetch == 2 and workers * prefetch * batch_bytes <= 2**30 < (workers + 1) * prefetch * batch_bytes
+    )
+
+
+def test_a_variant_that_breaks_fails_its_row_and_keeps_the_others_numbers(tiny_pack, tmp_path):
+    from bench.gpu_speed import _batch_row
+
+    check = Check(
+        gpu_check.torch.device("cpu"), TINY, read_pack(tiny_pack), tmp_path, time.perf_counter() + 60
+    )
+    rate = {"median": 100.0, "min": 90.0, "max": 110.0, "rounds": 3}
+    result = {
+        "GPU-resident loader": rate,
+        "streaming loader": rate,
+        "DataLoader + PIL": {"error": "Bus error"},
+    }
+    row = _batch_row(256, result, check)
+    assert row.status == "FAIL" and "DataLoader + PIL FAILED (Bus error)" in row.result
+    assert "GPU-resident loader 100 (90-110)" in row.result and check.found["best_images_per_s"] == 100.0
