@@ -2,7 +2,9 @@
 schemas (kubernetes-validate, offline, strict), the compose files validate against the Compose
 schema (from the docker-compose wheel that `make install` fetches), they keep the promises of
 docs/guides/deploy.md (non-root, read-only root file system, probes, Redis reached only by the API,
-AOF, ports on 127.0.0.1), and the serving image's dependencies hold no torch.
+AOF, ports on 127.0.0.1), and the serving image's dependencies hold no torch. The training Job
+names configs that load and paths on its volume, and its own command line trains on two nodes
+on loopback and resumes exactly after one of them is killed.
 
 Building and running the image needs root, network and minutes: `make image-test`."""
 
