@@ -180,7 +180,8 @@ def _diff_row(label: str, diff: dict[str, Any]) -> Row:
 def _run_text(config: Any, summary: dict[str, Any], check: Check) -> str:
     precision = "bf16" if check.cuda else "fp32"
     text = (
-        f"{config.steps} steps of {config.batch_size}, {config.network}, {precision}: loss "
+        f"{config.steps} step{'s' if config.steps != 1 else ''} of {config.batch_size}, {config.network}, "
+        f"{precision}: loss "
         f"{summary['first_loss']:.2f} -> {summary['last_loss']:.2f}, acc {summary['last_accuracy']:.3f}, "
         f"{summary['trainer_images_per_s']:,.0f} img/s (trainer)"
     )
