@@ -57,7 +57,7 @@ FULL = Sizes(
 TINY = Sizes(
     network="sphereface4", embedding_size=64, train_batch=8, train_steps=2, throughput_batches=(8,),
     rounds=1, round_steps=1, warmup=0, loader_workers=1, inference_batch=8, ort_cpu_batch=8,
-    megaface_distractors=20_000, megaface_probes=200, megaface_dim=512, matmul_size=256,
+    megaface_distractors=20_000, megaface_probes=200, megaface_dim=512, matmul_size=512,
     budgets={
         "environment": 10, "train": 40, "export": 40, "throughput": 30, "floor": 5, "inference": 10,
         "megaface": 20, "compile": 60,
