@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from models.align import AlignmentTemplate
-from models.arcface_crop import ARCFACE_SIZE, crop_from_arcface, padding_share, whole_pixel_shift
+from models.arcface_crop import ARCFACE_SIZE, padding_share, whole_pixel_shift
 from models.errors import FacePathError
 from training.formats.recordio import (
     ImageRecord,
@@ -249,13 +249,12 @@ def crop_rule(template: AlignmentTemplate) -> str:
     )
 
 
-def face_crop(data: bytes, template: AlignmentTemplate, path: Path, key: int, offset: int) -> np.ndarray:
-    """Decode a record's image and cut ``template``'s crop from it
-    (:func:`models.arcface_crop.crop_from_arcface`).
+def decode_face(data: bytes, path: Path, key: int, offset: int) -> np.ndarray:
+    """Decode a record's image: an ArcFace-aligned ``(112, 112, 3)`` uint8 RGB face.
 
     Raises:
         DamagedRecordError: the image cannot be decoded.
-        DatasetError: it is not 112x112, so not an ArcFace-aligned crop.
+        DatasetError: it is not 112x112, so not an ArcFace-aligned face.
     """
     from models.image import decode_image
 
@@ -269,4 +268,4 @@ def face_crop(data: bytes, template: AlignmentTemplate, path: Path, key: int, of
             f"{path}: record {key} at byte offset {offset} holds a {width}x{height} image; insightface's "
             "sets hold ArcFace-aligned 112x112 faces, which this is not"
         )
-    return crop_from_arcface(image, template)
+    return image

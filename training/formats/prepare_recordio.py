@@ -39,13 +39,14 @@ from typing import Any
 import numpy as np
 
 from models.align import ARCFACE_TEMPLATE_112x112
+from models.arcface_crop import ARCFACE_SIZE, crop_from_arcface
 from training.align_workers import TEMPLATE
 from training.formats.insightface import (
     LAYOUT_IDENTITY_HEADER,
     InsightFaceRecordIO,
     class_label,
     crop_rule,
-    face_crop,
+    decode_face,
     open_insightface,
 )
 from training.formats.recordio import damaged, read_record, unpack_image_record
@@ -210,13 +211,13 @@ def decode_chunk(task: tuple[int, np.ndarray, np.ndarray]) -> tuple[int, np.ndar
     if _WORKER["file"] is None or _WORKER["file"].name != str(rec):
         _WORKER["file"] = open(rec, "rb")  # noqa: SIM115 - kept open for this process's next tasks
     file = _WORKER["file"]
-    crops = np.empty((len(keys), *IMAGE_SHAPE), dtype=np.uint8)
+    faces = np.empty((len(keys), *ARCFACE_SIZE, 3), dtype=np.uint8)
     labels = np.empty(len(keys), dtype=np.int64)
     for row, (key, offset) in enumerate(zip(keys.tolist(), offsets.tolist(), strict=True)):
         record = unpack_image_record(read_record(file, size, rec, key, offset), rec, key, offset)
         labels[row] = class_label(record, rec, key, offset)
-        crops[row] = face_crop(record.image, TEMPLATE, rec, key, offset)
-    return first, crops, labels
+        faces[row] = decode_face(record.image, rec, key, offset)
+    return first, crop_from_arcface(faces, TEMPLATE), labels
 
 
 def decoded_chunks(
@@ -317,6 +318,8 @@ def _collect_shard(
         for name, key, kept in zip(names, keys, keep, strict=True)
         if not kept
     ]
+    if all(keep):
+        return crops, labels, paths, skipped
     return crops[keep], labels[keep], paths, skipped
 
 
