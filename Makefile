@@ -330,6 +330,14 @@ bench-detector-threads: install
 bench-largest-face: install
 	$(BIN)/python bench/largest_face.py --lfw $(SHARED)/data/lfw --json docs/results/bench_largest_face.json
 
+# LFW's 6,000 View-2 pairs written as an insightface .bin (ArcFace 112x112 faces aligned with landmarks.txt,
+# JPEG q95) and evaluated both ways, `evaluate bin` against `evaluate lfw --landmarks file`, for the default
+# and the project-trained model (about 25 minutes on 2 shared cores; docs/results/verification-sets.md).
+.PHONY: bench-lfw-bin
+bench-lfw-bin: install
+	$(BIN)/python bench/lfw_bin.py --data $(SHARED)/data/lfw --model default --model sphereface_celeba \
+		--json docs/results/lfw_bin.json
+
 # Exact search at 1M and 10M faces: float32 against the int8 scan with exact re-rank, 5 interleaved
 # rounds (about 3 minutes, 16 GB of memory at 10M; docs/results/service.md "Search at 10M faces").
 bench-gallery-scan: install
