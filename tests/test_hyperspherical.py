@@ -552,6 +552,23 @@ def test_a_cifar_run_trains_logs_and_scores_the_whole_test_set(tmp_path):
         torch.testing.assert_close(kernel.flatten(1).norm(dim=1), torch.ones(kernel.shape[0]))
 
 
+def test_a_cifar_runs_log_gives_each_steps_own_learning_rate(tmp_path):
+    """With the drop after step 1, step 1 ran at lr and step 2 at lr / 10: the log says so (not
+    the lr of the step after)."""
+    from tests.conftest import require_shared
+    from training.cifar import load_cifar_config, read_cifar_log, train_cifar
+
+    archive = require_shared("cifar10/cifar10-jpg.tar.gz")
+    config = load_cifar_config(
+        CONFIGS / "hyperspherical" / "cifar" / "cnn9_sigmoid_gasoftmax.toml",
+        [f"out_dir={tmp_path}", "steps=2", "log_every=1", "eval_every=2", "widths=[8, 8, 8]",
+         "train_per_class=10", f"archive={archive}", "cache=.cache/data/cifar10.npz", "lr_drops=[0.5]"],
+    )  # fmt: skip
+    train_cifar(config, progress=False)
+    logged = read_cifar_log(tmp_path / config.name / "log.csv")["lr"].tolist()
+    assert logged == pytest.approx([config.lr, config.lr / 10])
+
+
 def _fake_cifar_run(root: Path, name: str, accuracy: float, seconds: float = 0.1) -> None:
     run = root / name
     run.mkdir(parents=True)

@@ -389,6 +389,7 @@ def _train_loop(
     started = time.perf_counter()
     try:
         for step in range(config.steps):
+            used_lr = optimiser.param_groups[0]["lr"]  # the lr of this step, logged as such
             loss, accuracy, lam = optimiser_step(model, optimiser, step, *batches.next(), hooks)
             scheduler.step()
             if not np.isfinite(loss):
@@ -400,7 +401,7 @@ def _train_loop(
             if done % config.log_every == 0 or done == config.steps:
                 row = {"step": done, "loss": float(np.mean([v[0] for v in interval])),
                        "accuracy": float(np.mean([v[1] for v in interval])),
-                       "lr": optimiser.param_groups[0]["lr"], "lambda": lam,
+                       "lr": used_lr, "lambda": lam,
                        "elapsed_s": time.perf_counter() - started}  # fmt: skip
                 interval.clear()
                 run_callbacks.on_interval(Interval(done, done == config.steps, row))
