@@ -165,11 +165,13 @@ endef
 # The loss comparison of docs/results/loss-comparison.md: the SphereFace-4 runs of 2,000 steps on celeba_faces +
 # celeba_small (about 20 minutes each on one core, two at a time; finished runs are kept), then the
 # fine-tuning runs (*_finetune.toml: 1,000 steps from a trained run), each exported and evaluated
-# on MegaFace local-v1 (about 3 minutes each), then the table.
+# on MegaFace local-v1 (about 3 minutes each), then the table. Runs the trainer stopped (stopped.json: a NaN
+# loss) are kept and get a row that says so.
 loss-table: prepare-celeba
 	for configs in "$(filter-out %_finetune.toml,$(LOSS_CONFIGS))" "$(filter %_finetune.toml,$(LOSS_CONFIGS))"; do \
 		printf '%s\n' $$configs | xargs -P 2 -I{} sh -c \
-			'test -f runs/celeba_more/$$(basename {} .toml)/summary.json || $(BIN)/sphereface train {} --no-progress' \
+			'run=runs/celeba_more/$$(basename {} .toml); test -f $$run/summary.json -o -f $$run/stopped.json \
+			|| $(BIN)/sphereface train {} --no-progress' \
 			|| exit 1; \
 	done
 	$(call export_and_megaface,$(LOSS_CONFIGS),runs/celeba_more)

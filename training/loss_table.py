@@ -15,7 +15,9 @@ training data, PyTorch features), the
 angular Fisher score of the LFW features (Eq. A.1, people with 2+ images; lower = more
 discriminative), and the hyperspherical energy of the classifier weights (normalised E_2 and
 E_0, thesis Eq. 5.1, lower = more spread out), plus the minimum / nearest-neighbour angle
-between classifier neurons, the final training accuracy and mean feature norm ||x||.
+between classifier neurons, the final training accuracy and mean feature norm ||x||. A run the
+trainer stopped (``stopped.json``: the loss became NaN, or the features collapsed) gets a row
+that says at which step and why, without measures, and its curves up to the stop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,8 @@ def _head_label(summary: dict[str, Any]) -> str:
     if head == "modified_softmax":
         return "modified softmax"
     if head == "asoftmax":
-        return f"A-Softmax m = {options.get('m', 4)}"
+        backward = ", the Caffe layer's backward" if options.get("backward") == "caffe" else ""
+        return f"A-Softmax m = {options.get('m', 4)}{backward}"
     if head == "sphereface_plus":
         form = ", the Caffe layer's update" if options.get("mhe_form") == "caffe_among" else ""
         return f"SphereFace+ (m = {options.get('m', 4)}, MHE weight {options.get('mhe_weight', 1.0)}{form})"
@@ -68,17 +72,18 @@ def _head_label(summary: dict[str, Any]) -> str:
     return head
 
 
-def _order_key(summary: dict[str, Any]) -> tuple[int, float]:
-    """Paper order, SphereFace+ by rising MHE weight; fine-tuned runs after the runs trained from
-    scratch."""
+def _order_key(summary: dict[str, Any]) -> tuple[float, ...]:
+    """Paper order, SphereFace+ by rising MHE weight, the Caffe layer's backward after the exact
+    gradient; fine-tuned runs after the runs trained from scratch."""
     options = summary.get("head_options", {})
     key = (summary["head"], options.get("m"))
     offset = len(ORDER) + 1 if summary.get("init_from") else 0
     mhe_weight = float(options.get("mhe_weight", 0.0))
+    caffe = (1,) if options.get("backward") == "caffe" else ()
     for i, (head, m) in enumerate(ORDER):
         if key[0] == head and (m is None or key[1] == m):
-            return offset + i, mhe_weight
-    return offset + len(ORDER), mhe_weight
+            return offset + i, mhe_weight, *caffe
+    return offset + len(ORDER), mhe_weight, *caffe
 
 
 #: Written into a run folder by ``make loss-table``: ``sphereface evaluate megaface --protocol local``.
@@ -95,13 +100,55 @@ def megaface_rank1(run: Path) -> tuple[float | None, int | None]:
     return identification[largest]["rank1"], int(largest)
 
 
+def run_summary(run: Path) -> dict[str, Any]:
+    """The run's ``summary.json``; for a run the trainer stopped (``stopped.json``: a NaN loss or
+    collapsed features), what its ``config.toml`` and ``stopped.json`` say, with ``stopped``."""
+    from training.health import STOPPED_NAME
+
+    path = run / "summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    if not (run / STOPPED_NAME).is_file():
+        raise FileNotFoundError(f"{path}: the run has not finished (no summary.json)")
+    config = tomllib.loads((run / "config.toml").read_text())
+    stopped = json.loads((run / STOPPED_NAME).read_text())
+    keys = ("name", "network", "head", "head_options", "init_from", "seed", "steps", "batch_size")
+    return {**{key: config.get(key) for key in keys}, "stopped": stopped}
+
+
+def _stopped_row(summary: dict[str, Any]) -> dict[str, Any]:
+    """The table row of a stopped run: its label says where and why; no measures."""
+    stopped = summary["stopped"]
+    why = stopped["message"].split(";")[0]
+    return {
+        "run": summary["name"],
+        "loss": f"{_label(summary)}, stopped: {why}",
+        "network": summary["network"],
+        "steps": summary["steps"],
+        "batch_size": summary["batch_size"],
+        "stopped_at": stopped["step"],
+        "stop_reason": stopped["reason"],
+        **{key: None for key in MEASURES},
+        "seed": summary.get("seed"),
+        "order": list(_order_key(summary)),
+    }
+
+
+#: The measured columns of a row (None in the row of a stopped run).
+MEASURES = (
+    "epochs", "lfw_accuracy", "lfw_std", "angular_fisher_score", "megaface_local_rank1",
+    "megaface_distractors", "classifier_energy_s2", "classifier_energy_s0", "classifier_min_angle_deg",
+    "classifier_nearest_mean_deg", "final_train_accuracy", "final_feature_norm",
+)  # fmt: skip
+
+
 def collect(run_dirs: list[Path]) -> list[dict[str, Any]]:
     rows = []
     for run in run_dirs:
-        path = run / "summary.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: the run has not finished (no summary.json)")
-        summary = json.loads(path.read_text())
+        summary = run_summary(run)
+        if "stopped" in summary:
+            rows.append(_stopped_row(summary))
+            continue
         lfw = summary.get("lfw") or {}
         angles = summary.get("classifier_angles_deg", {})
         rank1, distractors = megaface_rank1(run)
@@ -219,7 +266,7 @@ def plot_curves(run_dirs: list[Path], out: Path) -> Path:
         "mean feature norm ||x||",
     )  # fmt: skip
     for run in run_dirs:
-        summary = json.loads((run / "summary.json").read_text())
+        summary = run_summary(run)
         steps, *series = curve_series(summary, read_log(run / "log.csv"))
         label = _label(summary)
         style = "--" if summary.get("seed") else "-"
