@@ -764,21 +764,32 @@ def prepare_dataset(
     pending = [k for k in range(len(ranges)) if k not in metas]
     if old is not None and not pending:
         return _loaded(out, started, processed=0, written=0, reused=len(ranges))
-    (out / MANIFEST_FILE).unlink(missing_ok=True)  # the folder is incomplete until the manifest is rewritten
-    for stale in out.glob(".*.tmp-*"):  # temporary files of a killed run
-        stale.unlink(missing_ok=True)
+    _mark_incomplete(out)
     processed = _align_pending(job, ranges, pending, metas, progress)
     manifest = _finish(
         src, out, identities=identities, photos=photos, ranges=ranges, metas=metas, excluded=excluded,
         not_found=not_found, limit_identities=limit_identities, fingerprint=job.fingerprint,
         settings=settings, providers=providers, workers=workers,
     )  # fmt: skip
+    return _mark_complete(out, manifest, started, processed, written=len(pending), shards=len(ranges))
+
+
+def _mark_incomplete(out: Path) -> None:
+    """Remove the manifest (the folder is incomplete until it is rewritten) and a killed run's
+    temporary files."""
+    (out / MANIFEST_FILE).unlink(missing_ok=True)
+    for stale in out.glob(".*.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
+def _mark_complete(
+    out: Path, manifest: dict[str, Any], started: float, processed: int, *, written: int, shards: int
+) -> PreparedDataset:
+    """Write the manifest last (the folder is complete from here on) and load the prepared set."""
     manifest["elapsed_seconds"] = round(time.perf_counter() - started, 3)
     manifest["photos_processed"] = processed
-    _write_json(out / MANIFEST_FILE, manifest)  # last: the folder is complete from here on
-    dataset = _loaded(
-        out, started, processed=processed, written=len(pending), reused=len(ranges) - len(pending)
-    )
+    _write_json(out / MANIFEST_FILE, manifest)
+    dataset = _loaded(out, started, processed=processed, written=written, reused=shards - written)
     log.info("%s", dataset.summary())
     return dataset
 

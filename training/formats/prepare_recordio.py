@@ -54,16 +54,16 @@ from training.prepare import (
     DEFAULT_SHARD_SIZE,
     FORMAT_VERSION,
     IMAGE_SHAPE,
-    MANIFEST_FILE,
     DatasetError,
     PreparedDataset,
     _check_output_folder,
     _exclusion_set,
     _finish,
     _loaded,
+    _mark_complete,
+    _mark_incomplete,
     _progress,
     _shard_complete,
-    _write_json,
     _write_shard,
 )
 from training.worker_pool import WorkerDied, died_in_shards, ordered_results
@@ -145,19 +145,10 @@ def prepare_recordio(
     pending = [k for k in range(len(ranges)) if k not in metas]
     if old is not None and not pending:
         return _loaded(out, started, processed=0, written=0, reused=len(ranges))
-    (out / MANIFEST_FILE).unlink(missing_ok=True)  # incomplete until the manifest is rewritten
-    for stale in out.glob(".*.tmp-*"):  # temporary files of a killed run
-        stale.unlink(missing_ok=True)
+    _mark_incomplete(out)
     processed = _decode_pending(job, ranges, pending, metas, progress)
     manifest = _manifest(job, settings, ranges, metas)
-    manifest["elapsed_seconds"] = round(time.perf_counter() - started, 3)
-    manifest["photos_processed"] = processed
-    _write_json(out / MANIFEST_FILE, manifest)  # last: the folder is complete from here on
-    dataset = _loaded(
-        out, started, processed=processed, written=len(pending), reused=len(ranges) - len(pending)
-    )
-    log.info("%s", dataset.summary())
-    return dataset
+    return _mark_complete(out, manifest, started, processed, written=len(pending), shards=len(ranges))
 
 
 def _settings(data: InsightFaceRecordIO, shard_size: int, excluded: frozenset[str]) -> dict[str, Any]:
