@@ -17,6 +17,10 @@ LOSS_CONFIGS := $(sort $(wildcard training/configs/celeba_more/sf4_*.toml))
 # three fine-tunings (no MHE, MHE 10, MHE 100) and SphereFace+ m = 2.
 SFPLUS_RUNS := $(addprefix runs/celeba_more/,sf4_asoftmax_m4 sf4_asoftmax_m4_finetune sf4_sphereface_plus_finetune \
 	sf4_sphereface_plus_mhe100_finetune sf4_sphereface_plus_m2_mhe10)
+# The Caffe-backward figure of the same doc: A-Softmax m = 4 with the exact gradient and with the released
+# Caffe layer's backward at half the table's lr, and the Caffe runs at the table's lr (they diverge).
+CAFFE_RUNS := $(addprefix runs/celeba_more/sf4_asoftmax_m4,_lr0p0125 _caffe _caffe_seed1 _caffe_lr0p0125 \
+	_caffe_lr0p0125_seed1)
 # docs/results/hyperspherical-claims.md: the CIFAR-10 runs (seed 0 first, then the second seeds) and the face run.
 HS_CIFAR := training/configs/hyperspherical/cifar
 HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR)/*.toml))) \
@@ -179,6 +183,7 @@ loss-table: prepare-celeba
 		--json docs/results/loss_table.json --markdown docs/results/loss_table.md \
 		--plot docs/results/loss_table_curves.png
 	$(BIN)/python -m training.loss_table $(SFPLUS_RUNS) --plot docs/results/loss_table_curves_sphereface_plus.png
+	$(BIN)/python -m training.loss_table $(CAFFE_RUNS) --plot docs/results/loss_table_curves_caffe.png
 	$(BIN)/python -m training.mhe_diagnostics $(filter-out %_m2_mhe10,$(SFPLUS_RUNS)) \
 		--config training/configs/celeba_more/sf4_sphereface_plus_finetune.toml --json docs/results/mhe_diagnostics.json
 	$(BIN)/python -m training.mhe_diagnostics $(addprefix runs/celeba_more/,sf4_asoftmax_m4_finetune \
@@ -246,7 +251,7 @@ bench-train: prepare-celeba
 	$(BIN)/python bench/train_loader.py --data $(CELEBA)
 
 # What the trainer's own step costs on CPU against a bare PyTorch loop on the same network, batch and
-# data (docs/results/train-overhead.md; the loss table's A-Softmax m = 4 run, one thread, about 10 minutes).
+# data (docs/results/train-overhead.md; the loss table's A-Softmax m = 4 run, one thread, about 2 minutes).
 bench-train-overhead: prepare-celeba
 	OMP_NUM_THREADS=1 $(BIN)/python bench/train_overhead.py --json docs/results/bench_train_overhead.json
 

@@ -66,3 +66,14 @@ def test_the_curves_include_the_stopped_run_and_an_unfinished_run_is_still_refus
     (tmp_path / "running").mkdir()
     with pytest.raises(FileNotFoundError, match="has not finished"):
         collect([tmp_path / "running"])
+
+
+def test_a_row_trained_at_another_lr_says_so_and_sorts_after_the_table_lr(tmp_path):
+    (tmp_path / "half").mkdir()
+    table_lr, lower_lr = _finished(tmp_path), _finished(tmp_path / "half")
+    (table_lr / "config.toml").write_text('name = "m4"\nlr = 0.025\n')
+    (lower_lr / "config.toml").write_text('name = "m4"\nlr = 0.0125\n')
+    summary = json.loads((lower_lr / "summary.json").read_text())
+    (lower_lr / "summary.json").write_text(json.dumps({**summary, "name": "m4_lr0p0125"}))
+    rows = collect([lower_lr, table_lr])
+    assert [r["loss"] for r in rows] == ["A-Softmax m = 4", "A-Softmax m = 4, lr 0.0125"]

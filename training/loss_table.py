@@ -44,8 +44,16 @@ ORDER = (
 )
 
 
+#: The learning rate of every from-scratch row (``training/configs/celeba_more/base.toml``); a row
+#: trained at another one says so in its label.
+TABLE_LR = 0.025
+
+
 def _label(summary: dict[str, Any]) -> str:
     label = _head_label(summary)
+    lr = summary.get("base_lr")
+    if lr is not None and not summary.get("init_from") and abs(lr - TABLE_LR) > 1e-12:
+        label += f", lr {lr:g}"
     if summary.get("seed"):
         label += f", seed {summary['seed']}"
     if summary.get("init_from"):
@@ -79,11 +87,12 @@ def _order_key(summary: dict[str, Any]) -> tuple[float, ...]:
     key = (summary["head"], options.get("m"))
     offset = len(ORDER) + 1 if summary.get("init_from") else 0
     mhe_weight = float(options.get("mhe_weight", 0.0))
-    caffe = (1,) if options.get("backward") == "caffe" else ()
+    caffe = 1 if options.get("backward") == "caffe" else 0
+    lower_lr = -float(summary.get("base_lr") or TABLE_LR)
     for i, (head, m) in enumerate(ORDER):
         if key[0] == head and (m is None or key[1] == m):
-            return offset + i, mhe_weight, *caffe
-    return offset + len(ORDER), mhe_weight, *caffe
+            return offset + i, mhe_weight, caffe, lower_lr
+    return offset + len(ORDER), mhe_weight, caffe, lower_lr
 
 
 #: Written into a run folder by ``make loss-table``: ``sphereface evaluate megaface --protocol local``.
@@ -106,14 +115,15 @@ def run_summary(run: Path) -> dict[str, Any]:
     from training.health import STOPPED_NAME
 
     path = run / "summary.json"
+    config_path = run / "config.toml"
+    config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}
     if path.is_file():
-        return json.loads(path.read_text())
+        return {**json.loads(path.read_text()), "base_lr": config.get("lr")}
     if not (run / STOPPED_NAME).is_file():
         raise FileNotFoundError(f"{path}: the run has not finished (no summary.json)")
-    config = tomllib.loads((run / "config.toml").read_text())
     stopped = json.loads((run / STOPPED_NAME).read_text())
     keys = ("name", "network", "head", "head_options", "init_from", "seed", "steps", "batch_size")
-    return {**{key: config.get(key) for key in keys}, "stopped": stopped}
+    return {**{key: config.get(key) for key in keys}, "base_lr": config.get("lr"), "stopped": stopped}
 
 
 def _stopped_row(summary: dict[str, Any]) -> dict[str, Any]:
