@@ -2,9 +2,12 @@
 schemas (kubernetes-validate, offline, strict), the compose files validate against the Compose
 schema (from the docker-compose wheel that `make install` fetches), they keep the promises of
 docs/guides/deploy.md (non-root, read-only root file system, probes, Redis reached only by the API,
-AOF, ports on 127.0.0.1), and the serving image's dependencies hold no torch. The training Job
-names configs that load and paths on its volume, and its own command line trains on two nodes
-on loopback and resumes exactly after one of them is killed.
+AOF, ports on 127.0.0.1), and the serving image's dependencies hold no torch. The Redis Cluster
+deployment (deploy/overlays/redis-cluster, docker/compose.cluster.yaml) gives the API every node
+and no REDIS_URL, admits only the API and the create Job to the nodes, and its create script makes
+3 primaries with a replica each from 6 local redis-servers, then changes nothing when run again.
+The training Job names configs that load and paths on its volume, and its own command line trains
+on two nodes on loopback and resumes exactly after one of them is killed.
 
 Building and running the image needs root, network and minutes: `make image-test`."""
 
@@ -32,7 +35,10 @@ yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S_VERSION = "1.32.0"
-KUSTOMIZATIONS = ["deploy/overlays/cpu", "deploy/overlays/gpu", "deploy/training", "deploy/megaface"]
+KUSTOMIZATIONS = [
+    "deploy/overlays/cpu", "deploy/overlays/gpu", "deploy/overlays/redis-cluster", "deploy/training",
+    "deploy/megaface",
+]  # fmt: skip
 COMPOSE_WHEEL = REPO_ROOT / ".cache" / "wheels" / "docker_compose-1.29.2-py2.py3-none-any.whl"
 
 
@@ -337,7 +343,7 @@ def compose_schema() -> dict:
         return json.loads(wheel.read("compose/config/compose_spec.json"))
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml", "compose.cluster.yaml"])
 def test_the_compose_files_validate(name):
     import jsonschema
 
@@ -383,3 +389,309 @@ def test_the_serving_image_installs_no_torch_no_training_code_and_no_matplotlib(
     assert "models" in copied and "service" in copied and "training" not in copied, copied
     # the build fails if any of them sneaks in
     assert "for m in ('torch', 'training', 'matplotlib')" in dockerfile
+
+
+# -- The gallery on a Redis Cluster: deploy/overlays/redis-cluster and docker/compose.cluster.yaml --
+
+CLUSTER_DIR = "deploy/components/redis-cluster"
+CLUSTER_OVERLAY = "deploy/overlays/redis-cluster"
+NODE_LABEL = {"app.kubernetes.io/name": "sphereface-redis-cluster"}
+
+
+def named(objects: list[dict], kind: str, name: str) -> dict:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def redis_config(text: str) -> dict[str, str]:
+    """A redis.conf as directive -> value (comments and blank lines dropped)."""
+    pairs = (line.split(None, 1) for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    return {key: value for key, value in pairs}
+
+
+def test_the_cluster_overlay_runs_six_locked_down_nodes_instead_of_one_redis():
+    objects = render(CLUSTER_OVERLAY)
+    (nodes,) = by_kind(objects)["StatefulSet"]  # the base's single Redis is gone
+    assert not [o for o in objects if o["metadata"]["name"] == "sphereface-redis"]
+    assert nodes["metadata"]["name"] == "sphereface-redis-cluster" and nodes["spec"]["replicas"] == 6
+    pod = nodes["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    single = by_kind(render("deploy/overlays/cpu"))["StatefulSet"][0]["spec"]["template"]["spec"]
+    assert pod["securityContext"] == single["securityContext"]
+    assert container["securityContext"] == single["containers"][0]["securityContext"]
+    assert container["readinessProbe"] and container["livenessProbe"] and container["resources"]["limits"]
+    assert nodes["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["data"] == "/data"
+    # redis-server reads node.conf from the ConfigMap, keeps its data on the volume and announces
+    # its stable DNS name <pod>.<headless service>
+    args = container["args"]
+    assert (
+        args[:2] == ["redis-server", f"{mounts['config']}/node.conf"]
+        and args[args.index("--dir") + 1] == "/data"
+    )
+    service = named(objects, "Service", nodes["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in service["spec"]["ports"]} == {6379, 16379}
+    assert args[args.index("--cluster-announce-hostname") + 1] == f"$(POD_NAME).{service['metadata']['name']}"
+    (pod_name,) = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    conf = redis_config(named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["node.conf"])
+    assert conf["cluster-enabled"] == "yes" and conf["cluster-preferred-endpoint-type"] == "hostname"
+    assert conf["appendonly"] == "yes" and conf["appendfsync"] == "always" and conf["save"] == '""'
+    assert int(conf["cluster-node-timeout"]) > 0
+    assert named(objects, "PodDisruptionBudget", "sphereface-redis-cluster")["spec"]["maxUnavailable"] == 1
+
+
+def cluster_nodes_of(objects: list[dict]) -> list[str]:
+    """HOST:PORT of every node of the rendered StatefulSet, by its headless Service's DNS names."""
+    (nodes,) = by_kind(objects)["StatefulSet"]
+    name, service = nodes["metadata"]["name"], nodes["spec"]["serviceName"]
+    return [f"{name}-{index}.{service}:6379" for index in range(nodes["spec"]["replicas"])]
+
+
+def test_the_api_and_the_job_get_every_node_in_sphereface_redis_cluster_and_no_redis_url():
+    objects = render(CLUSTER_OVERLAY)
+    (api,) = by_kind(objects)["Deployment"]
+    (container,) = api["spec"]["template"]["spec"]["containers"]
+    (source,) = [s["configMapRef"]["name"] for s in container["envFrom"] if "configMapRef" in s]
+    config = named(objects, "ConfigMap", source)["data"]
+    assert "REDIS_URL" not in config and "REDIS_URL" not in {e["name"] for e in container.get("env", [])}
+    assert config["SPHEREFACE_REDIS_CLUSTER"].split(",") == cluster_nodes_of(objects)
+    (job,) = by_kind(objects)["Job"]
+    (create,) = job["spec"]["template"]["spec"]["containers"]
+    (nodes_env,) = [e for e in create["env"] if e["name"] == "SPHEREFACE_REDIS_CLUSTER"]
+    assert nodes_env["valueFrom"]["configMapKeyRef"] == {"name": source, "key": "SPHEREFACE_REDIS_CLUSTER"}
+
+
+def test_the_job_creates_three_primaries_with_one_replica_each_only_when_no_cluster_exists():
+    objects = render(CLUSTER_OVERLAY)
+    (job,) = by_kind(objects)["Job"]
+    pod = job["spec"]["template"]["spec"]
+    (create,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in create["env"]}
+    primaries = len(cluster_nodes_of(objects)) // (int(env["CLUSTER_REPLICAS"]) + 1)
+    assert (primaries, env["CLUSTER_REPLICAS"]) == (3, "1")
+    (mount,) = create["volumeMounts"]
+    assert create["command"] == ["sh", f"{mount['mountPath']}/cluster-create.sh"]
+    (volume,) = pod["volumes"]
+    script = named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["cluster-create.sh"]
+    assert script == (REPO_ROOT / CLUSTER_DIR / "cluster-create.sh").read_text()
+    # the create runs only after every node was asked whether it is in a cluster already
+    guard, create_line = script.index('if is_member "$node"'), script.index("\nredis-cli --cluster create")
+    assert 0 < guard < create_line and "cluster_known_nodes" in script and "--cluster-yes" in script
+    assert '--cluster-replicas "$replicas"' in script[create_line:]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert create["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_only_the_api_and_the_job_reach_the_nodes_and_the_nodes_reach_each_other_on_the_bus():
+    objects = render(CLUSTER_OVERLAY)
+    (policy,) = by_kind(objects)["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == NODE_LABEL
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted = {
+        (peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"], port["port"])
+        for rule in policy["spec"]["ingress"] for peer in rule["from"] for port in rule["ports"]
+    }  # fmt: skip
+    assert admitted == {
+        ("sphereface-api", 6379), ("sphereface-redis-cluster-create", 6379),
+        ("sphereface-redis-cluster", 6379), ("sphereface-redis-cluster", 16379),
+    }  # fmt: skip
+    # the labels the policy names are the pods' own
+    (api,), (job,), (nodes,) = (by_kind(objects)[kind] for kind in ("Deployment", "Job", "StatefulSet"))
+    labels = {
+        obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] for obj in (api, job, nodes)
+    }
+    assert labels == {name for name, _ in admitted}
+    ports = {p["containerPort"] for p in nodes["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {6379, 16379}
+
+
+def test_compose_cluster_keeps_redis_private_and_runs_the_same_files_as_kubernetes():
+    docker = REPO_ROOT / "docker"
+    compose = yaml.safe_load((docker / "compose.cluster.yaml").read_text())
+    services = compose["services"]
+    api, init = services.pop("api"), services.pop("redis-cluster-init")
+    single_api = yaml.safe_load((docker / "compose.yaml").read_text())["services"]["api"]
+    differ = {key for key in api.keys() | single_api.keys() if api.get(key) != single_api.get(key)}
+    assert differ == {"environment", "depends_on"}  # the same API otherwise
+    assert "REDIS_URL" not in api["environment"]
+    assert {k: v for k, v in api["environment"].items() if k != "SPHEREFACE_REDIS_CLUSTER"} == {
+        k: v for k, v in single_api["environment"].items() if k != "REDIS_URL"
+    }
+    assert api["depends_on"] == {"redis-cluster-init": {"condition": "service_completed_successfully"}}
+    nodes = api["environment"]["SPHEREFACE_REDIS_CLUSTER"].split(",")
+    assert nodes == [f"{name}:6379" for name in sorted(services)] and len(nodes) == 6
+    k8s_files = REPO_ROOT / CLUSTER_DIR
+    for name, node in services.items():
+        assert "ports" not in node and node["image"] == "redis:8.0"
+        mounts = dict(volume.rsplit(":", 2)[:2] for volume in node["volumes"] if volume.endswith(":ro"))
+        ((source, target),) = mounts.items()
+        assert (docker / source).resolve() == k8s_files / "node.conf"
+        command = node["command"]
+        assert command[:2] == ["redis-server", target] and command[command.index("--dir") + 1] == "/data"
+        assert command[command.index("--cluster-announce-hostname") + 1] == name
+        assert f"{node['volumes'][0].split(':')[0]}" in compose["volumes"]
+    assert "ports" not in init and init["restart"] == "no"
+    assert init["environment"]["SPHEREFACE_REDIS_CLUSTER"] == api["environment"]["SPHEREFACE_REDIS_CLUSTER"]
+    assert init["environment"]["CLUSTER_REPLICAS"] == "1"
+    assert init["depends_on"] == {name: {"condition": "service_healthy"} for name in services}
+    (volume,) = init["volumes"]
+    source, target, _ = volume.split(":")
+    assert (docker / source).resolve() == k8s_files / "cluster-create.sh"
+    assert init["command"] == ["sh", target]
+
+
+# -- cluster-create.sh itself, against 6 cluster-enabled redis-server processes on loopback --
+
+
+def redis_cli() -> str:
+    found = shutil.which("redis-cli")
+    if found is None:
+        fail_or_skip("redis-cli not installed (make install runs apt-get install redis-server)")
+    return found
+
+
+def run_create_script(nodes: list[str], wait_seconds: int = 20) -> subprocess.CompletedProcess:
+    """The rendered Job's script, run with ``sh`` as the Job runs it."""
+    (config,) = [c for c in by_kind(render(CLUSTER_OVERLAY))["ConfigMap"] if "cluster-create.sh" in c["data"]]
+    env = {**os.environ, "SPHEREFACE_REDIS_CLUSTER": ",".join(nodes), "CLUSTER_REPLICAS": "1",
+           "CLUSTER_WAIT_SECONDS": str(wait_seconds)}  # fmt: skip
+    return subprocess.run(
+        ["sh", "-c", config["data"]["cluster-create.sh"]], env=env, capture_output=True, text=True, timeout=90
+    )
+
+
+@pytest.fixture
+def six_cluster_nodes(redis_binary, workdir):
+    """6 redis-servers started with the rendered node.conf, each announcing the name localhost;
+    yields their ``localhost:PORT``; every process is stopped afterwards."""
+    redis_cli()
+    (config,) = [c for c in by_kind(render(CLUSTER_OVERLAY))["ConfigMap"] if "node.conf" in c["data"]]
+    conf = workdir / "node.conf"
+    conf.write_text(config["data"]["node.conf"])
+    processes, nodes = [], []
+    try:
+        for index in range(6):
+            port, data = free_port(), workdir / f"node-{index}"
+            data.mkdir()
+            processes.append(subprocess.Popen(
+                [redis_binary, str(conf), "--dir", str(data), "--port", str(port), "--bind", "127.0.0.1 -::1",
+                 "--cluster-port", str(free_port()), "--cluster-announce-hostname", "localhost"],
+                stdout=(data / "log").open("w"), stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+            nodes.append(f"localhost:{port}")
+        for process, node in zip(processes, nodes, strict=True):
+            wait_for_ping(process, node)
+        yield nodes
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_for_ping(process: subprocess.Popen, node: str) -> None:
+    deadline = time.monotonic() + 10
+    while cli(node, "ping") != "PONG":
+        assert process.poll() is None, f"redis-server for {node} exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{node} does not answer"
+        time.sleep(0.05)
+
+
+def cli(node: str, *args: str) -> str:
+    host, port = node.rsplit(":", 1)
+    out = subprocess.run([redis_cli(), "-h", host, "-p", port, *args], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def cluster_view(node: str) -> tuple[dict[str, str], list[tuple]]:
+    """The node's CLUSTER INFO (less its message counters) and, from CLUSTER NODES, (id, role,
+    primary id, slots, config epoch, link) per node."""
+    lines = cli(node, "cluster", "info").splitlines()
+    info = dict(line.split(":", 1) for line in lines if ":" in line and "_messages_" not in line)
+    rows = []
+    for line in cli(node, "cluster", "nodes").splitlines():
+        node_id, _, flags, primary, _, _, epoch, link, *slots = line.split()
+        role = "primary" if "master" in flags.split(",") else "replica"
+        rows.append((node_id, role, primary, tuple(slots), epoch, link))
+    return info, sorted(rows)
+
+
+def primaries_and_replicas(rows: list[tuple]) -> tuple[dict[str, tuple], list[str]]:
+    """{primary id: its slots} and the primary id of every replica."""
+    primaries = {row[0]: row[3] for row in rows if row[1] == "primary"}
+    return primaries, [row[2] for row in rows if row[1] == "replica"]
+
+
+def settled_views(nodes: list[str], timeout: float = 15) -> list[tuple]:
+    """Every node's view once all of them see 3 primaries and 3 replicas (the roles that
+    redis-cli sets reach the other nodes by gossip, within seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        views = [cluster_view(node) for node in nodes]
+        if all(len(primaries_and_replicas(rows)[1]) == 3 for _, rows in views):
+            return views
+        assert time.monotonic() < deadline, views
+        time.sleep(0.1)
+
+
+def slot_count(ranges: tuple[str, ...]) -> int:
+    bounds = [r.split("-") if "-" in r else (r, r) for r in ranges]
+    return sum(int(end) - int(start) + 1 for start, end in bounds)
+
+
+def test_the_create_script_makes_three_primaries_with_a_replica_each_and_then_changes_nothing(
+    six_cluster_nodes,
+):
+    nodes = six_cluster_nodes
+    first = run_create_script(nodes)
+    assert first.returncode == 0, first.stdout + first.stderr
+    views = settled_views(nodes)
+    for info, rows in views:
+        assert info["cluster_state"] == "ok" and info["cluster_known_nodes"] == "6"
+        assert info["cluster_slots_assigned"] == "16384" and info["cluster_size"] == "3"
+        assert all(row[-1] == "connected" for row in rows) and rows == views[0][1]
+    primaries, replicas_of = primaries_and_replicas(views[0][1])
+    assert len(primaries) == 3 and sorted(replicas_of) == sorted(primaries)  # one replica each
+    assert sum(slot_count(slots) for slots in primaries.values()) == 16384
+
+    second = run_create_script(nodes)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "nothing to create" in second.stdout and "Performing hash slots allocation" not in second.stdout
+    assert [cluster_view(node) for node in nodes] == views  # same ids, roles, slots and epochs
+
+    # clients are sent to the announced name, and the keys spread over the 3 primaries
+    import redis
+    from redis.cluster import RedisCluster
+
+    host, port = nodes[0].rsplit(":", 1)
+    connection = redis.Connection(host=host, port=int(port))
+    try:
+        connection.send_command("CLUSTER", "SLOTS")
+        ranges = connection.read_response()
+    finally:
+        connection.disconnect()
+    assert {endpoint[0] for entry in ranges for endpoint in entry[2:]} == {b"localhost"} and len(ranges) == 3
+    client = RedisCluster(host=host, port=int(port))
+    try:
+        for index in range(60):
+            client.set(f"probe:{index}", index)
+        sizes = [node.redis_connection.dbsize() for node in client.get_primaries()]
+    finally:
+        client.close()
+    assert len(sizes) == 3 and min(sizes) > 0 and sum(sizes) == 60
+
+
+def test_the_create_script_gives_up_on_a_node_that_does_not_answer():
+    redis_cli()
+    started = time.monotonic()
+    result = run_create_script([f"127.0.0.1:{free_port()}"], wait_seconds=1)
+    assert result.returncode == 1 and "does not answer PING" in result.stderr
+    assert time.monotonic() - started < 10
