@@ -444,6 +444,22 @@ def test_the_cluster_overlay_runs_six_locked_down_nodes_instead_of_one_redis():
     assert named(objects, "PodDisruptionBudget", "sphereface-redis-cluster")["spec"]["maxUnavailable"] == 1
 
 
+def test_the_gpu_overlay_takes_the_cluster_component_as_well(tmp_path):
+    """docs/guides/deploy.md: add the component to deploy/overlays/gpu for the GPU image."""
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources:\n  - {os.path.relpath(REPO_ROOT / 'deploy/overlays/gpu', tmp_path)}\n"
+        f"components:\n  - {os.path.relpath(REPO_ROOT / CLUSTER_DIR, tmp_path)}\n"
+    )
+    objects = render(str(tmp_path))
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    kinds = by_kind(objects)
+    (api,), (nodes,) = kinds["Deployment"], kinds["StatefulSet"]
+    assert api["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert nodes["metadata"]["name"] == "sphereface-redis-cluster"
+    assert "REDIS_URL" not in named(objects, "ConfigMap", "sphereface-config")["data"]
+
+
 def cluster_nodes_of(objects: list[dict]) -> list[str]:
     """HOST:PORT of every node of the rendered StatefulSet, by its headless Service's DNS names."""
     (nodes,) = by_kind(objects)["StatefulSet"]
