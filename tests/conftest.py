@@ -216,3 +216,21 @@ def default_service(default_model_dir):
     yield running
     running.stop()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binary: str):
+    """A Redis Cluster of 3 primaries and 3 replicas (tests/redis_cluster.py), once per session;
+    tests empty it as they need (``redis_cluster.flush()``)."""
+    from tests.redis_cluster import LocalCluster
+
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        fail_or_skip("redis-cli not installed (it comes with apt-get install redis-server)")
+    cluster = LocalCluster(redis_binary, cli)
+    try:
+        cluster.start()
+        print(f"\nRedis Cluster (3 primaries, 3 replicas) up in {cluster.startup_seconds:.2f} s")
+        yield cluster
+    finally:
+        cluster.stop()
