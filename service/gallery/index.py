@@ -4,7 +4,8 @@
 cosine of its best-matching face). :class:`LiveIndex` keeps a VectorIndex equal to the gallery
 in Redis: it reads the revision counter before a search and, when it moved, applies the entries
 of the change stream after the last one it saw; a gap (the stream was trimmed past it) or a
-revision it cannot explain makes it reload everything.
+revision it cannot explain makes it reload everything. On a Redis Cluster it does so for every
+partition of the gallery (each has its own revision counter and change stream).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from service.errors import RedisUnavailableError
 from service.gallery.int8_scan import Int8Scan
 from service.gallery.snapshot import CHECK_SECONDS, COMPACT_FACES, Snapshot, SnapshotFolder, SnapshotMeta
-from service.gallery.store import GalleryStore, _redis_errors
+from service.gallery.store import GalleryStore, _redis_errors, _s
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +322,11 @@ class LiveIndex:
     With ``snapshots`` (a folder, see service/gallery/snapshot.py), the faces live in a snapshot
     file that every worker of the machine maps read-only, plus this worker's changes since
     (:class:`LayeredIndex`): one copy of the vectors per machine instead of one per worker.
+    Snapshots record one revision and stream position: a gallery of several partitions (on a
+    Redis Cluster) is indexed without them, each worker holding its own copy.
+
+    Per partition ``p`` of the gallery it keeps the revision reflected (``revisions[p]``), the
+    last stream entry applied (``last_entries[p]``) and the epoch (``epochs[p]``).
     """
 
     def __init__(
@@ -336,10 +342,14 @@ class LiveIndex:
         self.model_id = model_id
         self.dim = dim
         self.index: VectorIndex | LayeredIndex = VectorIndex(dim)
-        self.revision = -1  # nothing loaded yet
-        self.epoch: bytes | None = None
-        self.last_entry = "0-0"
+        partitions = store.partitions
+        self.revisions = [-1] * partitions  # -1: nothing loaded yet
+        self.epochs: list[bytes | None] = [None] * partitions
+        self.last_entries = ["0-0"] * partitions
         self.full_reloads = 0  # loads of every face from Redis
+        if snapshots and partitions > 1:
+            log.warning("gallery snapshots are not used with %d partitions (Redis Cluster)", partitions)
+            snapshots = None
         self.snapshot_root = Path(snapshots) if snapshots else None
         self.snapshot_loads = 0  # snapshots mapped (written by this worker or another)
         self.snapshots_written = 0
@@ -354,6 +364,23 @@ class LiveIndex:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def revision(self) -> int:
+        """The gallery revision reflected: the sum of the partitions' (-1 before the first load)."""
+        return -1 if min(self.revisions) < 0 else sum(self.revisions)
+
+    @property
+    def epoch(self) -> bytes | None:
+        """The epoch of the gallery reflected (on a cluster: of its partitions, joined)."""
+        if None in self.epochs:
+            return None
+        return self.epochs[0] if len(self.epochs) == 1 else b",".join(self.epochs)  # type: ignore[arg-type]
+
+    @property
+    def last_entry(self) -> str:
+        """The last stream entry applied (of the first partition: the only one on one Redis)."""
+        return self.last_entries[0]
 
     def refresh(self) -> int:
         """Bring the index up to date with Redis; returns the revision it now reflects.
@@ -388,27 +415,34 @@ class LiveIndex:
 
     def _refresh(self) -> int:
         with self._lock, _redis_errors():
-            current, epoch = self.store.revision_and_epoch()
-            if epoch == self.epoch and current == self.revision:
-                self._follow_snapshots()
-                return current
-            # Reload when nothing is loaded yet; when the gallery in Redis is another one (a new
-            # epoch: flushed, or restored from a backup); when the revision went back; on a gap in
-            # the stream; and when the stream holds no entries up to ``current`` (trimmed past
+            positions = self.store.positions()
+            stale = [
+                p
+                for p, (current, epoch) in enumerate(positions)
+                if epoch != self.epochs[p] or current != self.revisions[p]
+            ]
+            # Reload when nothing is loaded yet; when a partition in Redis is another one (a new
+            # epoch: flushed, or restored from a backup); when its revision went back; on a gap in
+            # its stream; and when its stream holds no entries up to its revision (trimmed past
             # this worker: every change writes its entry with its rev).
-            if (
-                epoch != self.epoch
-                or current < self.revision
-                or not self._apply_changes()
-                or self.revision < current
-            ):
-                self._reload(epoch, current)
+            if stale and not all(self._catch_up(p, *positions[p]) for p in stale):
+                self._reload(positions)
             self._follow_snapshots()
             return self.revision
+
+    def _catch_up(self, partition: int, current: int, epoch: bytes) -> bool:
+        """Apply a partition's new stream entries; False when only a reload can catch up."""
+        return (
+            epoch == self.epochs[partition]
+            and current >= self.revisions[partition]
+            and self._apply_changes(partition)
+            and self.revisions[partition] >= current
+        )
 
     # -- snapshots shared by the workers ---------------------------------------------------------
 
     def _folder(self, epoch: bytes | None) -> SnapshotFolder | None:
+        """The snapshot folder of the gallery's epoch (snapshots only with one partition)."""
         if self.snapshot_root is None or epoch is None:
             return None
         return SnapshotFolder(self.snapshot_root, self.model_id, epoch.decode())
@@ -419,11 +453,15 @@ class LiveIndex:
         snapshot = folder.open(meta)
         if snapshot is None or snapshot.meta.dim != self.dim:
             return False
-        state = self.index, self.revision, self.last_entry, self.epoch
-        self.index, self.revision, self.last_entry = LayeredIndex(snapshot), meta.revision, meta.last_entry
-        self.epoch = meta.epoch.encode()
-        if not self._apply_changes() or self.revision < current:
-            self.index, self.revision, self.last_entry, self.epoch = state
+        state = self.index, self.revisions[0], self.last_entries[0], self.epochs[0]
+        self.index, self.revisions[0], self.last_entries[0] = (
+            LayeredIndex(snapshot),
+            meta.revision,
+            meta.last_entry,
+        )
+        self.epochs[0] = meta.epoch.encode()
+        if not self._apply_changes(0) or self.revision < current:
+            self.index, self.revisions[0], self.last_entries[0], self.epochs[0] = state
             return False
         self.snapshot_loads += 1
         log.info("gallery snapshot %s/%s mapped (%d faces)", folder.path, meta.stem, meta.faces)
@@ -476,42 +514,53 @@ class LiveIndex:
             if locked:
                 self._write_snapshot(folder)
 
-    def _reload(self, epoch: bytes, current: int) -> None:
+    def _reload(self, positions: list[tuple[int, bytes]]) -> None:
         """Load every face: from the newest snapshot when the stream still reaches back to it,
         else from Redis (then written as a snapshot for the other workers)."""
-        folder = self._folder(epoch)
+        epochs = [epoch for _, epoch in positions]
+        folder = self._folder(epochs[0]) if len(positions) == 1 else None
         if folder is None:
-            self._load_from_redis(epoch)
-            self._apply_changes()
+            self._load_from_redis(epochs)
+            self._apply_all_changes()
             return
         with folder.lock():  # the other workers wait, then map what this one writes
             latest = folder.latest()
-            if latest is not None and self._map_snapshot(folder, latest, current):
+            if latest is not None and self._map_snapshot(folder, latest, positions[0][0]):
                 return
-            self._load_from_redis(epoch)
-            self._apply_changes()
+            self._load_from_redis(epochs)
+            self._apply_all_changes()
             self._write_snapshot(folder)
+
+    def _apply_all_changes(self) -> None:
+        for partition in range(len(self.revisions)):
+            self._apply_changes(partition)
 
     def search(self, queries: np.ndarray, k: int) -> list[list[SubjectHit]]:
         self.refresh()
         with self._lock:
             return self.index.search(queries, k)
 
-    def _apply_changes(self) -> bool:
-        """Apply the stream entries after ``last_entry``; False on a gap (a reload is needed)."""
+    def _apply_changes(self, partition: int) -> bool:
+        """Apply a partition's stream entries after the last one applied; False on a gap (a
+        reload is needed)."""
         r = self.store.redis
+        key = self.store.changes_key_of(partition)
         while True:
-            entries = r.xrange(self.store.changes_key, min=f"({self.last_entry}", count=self.batch)
+            entries = r.xrange(key, min=f"({self.last_entries[partition]}", count=self.batch)
             if not entries:
                 return True
             adds: dict[str, str] = {}
             for entry_id, fields in entries:
                 rev = int(fields[b"rev"])
-                if rev <= self.revision:  # already reflected (seen during a reload)
-                    self.last_entry = entry_id.decode()
+                if rev <= self.revisions[partition]:  # already reflected (seen during a reload)
+                    self.last_entries[partition] = entry_id.decode()
                     continue
-                if rev != self.revision + 1:
-                    log.warning("gallery change stream has a gap (%d -> %d): reloading", self.revision, rev)
+                if rev != self.revisions[partition] + 1:
+                    log.warning(
+                        "gallery change stream has a gap (%d -> %d): reloading",
+                        self.revisions[partition],
+                        rev,
+                    )
                     self._flush_adds(adds)
                     return False
                 if fields[b"model"].decode() == self.model_id:
@@ -522,8 +571,8 @@ class LiveIndex:
                         self._flush_adds(adds)
                         adds = {}
                         self.index.remove([face_id])
-                self.revision = rev
-                self.last_entry = entry_id.decode()
+                self.revisions[partition] = rev
+                self.last_entries[partition] = entry_id.decode()
             self._flush_adds(adds)
             if len(entries) < self.batch:
                 return True
@@ -544,25 +593,28 @@ class LiveIndex:
                 np.stack([np.frombuffer(v, dtype="<f4") for _, _, v in kept]),
             )
 
-    def _load_from_redis(self, epoch: bytes) -> None:
-        """Load every face of the model; remember the revision and stream position it reflects."""
+    def _load_from_redis(self, epochs: list[bytes]) -> None:
+        """Load every face of the model; remember the revision and stream position each partition
+        reflects (read before its faces: the stream applies whatever changed meanwhile)."""
         started = time.perf_counter()
         r = self.store.redis
-        pipe = r.pipeline(transaction=True)  # revision and last stream entry read together
-        pipe.get(self.store.rev_key)
-        pipe.xrevrange(self.store.changes_key, count=1)
-        rev, last = pipe.execute()
+        pipe = r.pipeline(transaction=False)
+        for p in range(len(epochs)):  # each partition's revision and last entry read together
+            self.store.read_position(p, pipe)
+        positions = pipe.execute()
         self.index = VectorIndex(self.dim)
         batch_ids: list[str] = []
-        for face_id in r.sscan_iter(self.store.model_faces_key(self.model_id), count=self.batch):
-            batch_ids.append(face_id.decode())
-            if len(batch_ids) >= self.batch:
-                self._load_faces(batch_ids)
-                batch_ids = []
+        for p in range(len(epochs)):
+            for face_id in r.sscan_iter(self.store.model_faces_key(self.model_id, p), count=self.batch):
+                batch_ids.append(face_id.decode())
+                if len(batch_ids) >= self.batch:
+                    self._load_faces(batch_ids)
+                    batch_ids = []
         self._load_faces(batch_ids)
-        self.revision = int(rev or 0)
-        self.epoch = epoch
-        self.last_entry = last[0][0].decode() if last else "0-0"
+        for p, (rev, last) in enumerate(positions):
+            self.revisions[p] = int(rev or 0)
+            self.last_entries[p] = _s(last) or "0-0"
+        self.epochs = list(epochs)
         self.full_reloads += 1
         log.info(
             "gallery index loaded: %d faces of %s at revision %d in %.1f s",

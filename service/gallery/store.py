@@ -20,6 +20,11 @@ Keys (``P`` is the prefix, ``sf:`` by default):
 
 Every change runs as one Lua script, so a face, its sets, the revision and the stream entry are
 written together or not at all.
+
+On a Redis Cluster the same keys exist once per partition, under the partition's hash tag
+(``P{g07.41}:subject:{id}``, ``P{g07.41}:rev``, ...; see :mod:`service.gallery.partitions`): a
+subject, its faces and everything a script touches for them share one slot. Whatever spans the
+gallery (listing and counting subjects, statistics, the revision) reads every partition.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 
 import numpy as np
 import redis
+from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from service.errors import (
     DuplicatePhotoError,
@@ -46,6 +53,7 @@ from service.errors import (
     SubjectNotFoundError,
     redis_unavailable,
 )
+from service.gallery import partitions as parts
 from service.gallery.face_images import FaceRegion
 
 #: The change stream keeps about this many entries; a worker further behind reloads fully.
@@ -138,6 +146,14 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
+_POSITION = """
+-- KEYS: rev, changes: the revision and the id of the stream's last entry, read together
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = false
+if last[1] then id = last[1][1] end
+return {redis.call('GET', KEYS[1]), id}
+"""
+
 SUBJECT_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@:")
 
 
@@ -159,10 +175,6 @@ def check_subject_id(subject_id: str) -> str:
             "not only dots"
         )
     return subject_id
-
-
-def new_face_id() -> str:
-    return secrets.token_hex(12)
 
 
 def embedding_sha256(vector: np.ndarray) -> str:
@@ -244,20 +256,36 @@ def _s(value: bytes | str | None) -> str | None:
 
 
 class GalleryStore:
-    """Subjects and faces in one Redis (see the module docstring for the layout)."""
+    """Subjects and faces in one Redis or a Redis Cluster (see the module docstring for the layout).
+
+    ``partitions``: how many partitions the gallery has; by default one on a Redis (the keys
+    without hash tags) and :data:`service.gallery.partitions.CLUSTER_PARTITIONS` on a
+    :class:`~redis.cluster.RedisCluster` client."""
 
     def __init__(
-        self, client: redis.Redis, prefix: str = "sf:", *, max_faces_per_subject: int = 1000
+        self,
+        client: redis.Redis | RedisCluster,
+        prefix: str = "sf:",
+        *,
+        max_faces_per_subject: int = 1000,
+        partitions: int | None = None,
     ) -> None:
         self.redis = client
         self.prefix = prefix
         self.max_faces_per_subject = max_faces_per_subject
-        self._schema_checked = False
+        self.cluster = isinstance(client, RedisCluster)
+        self.partitions = partitions or (parts.CLUSTER_PARTITIONS if self.cluster else 1)
+        if self.partitions < 1:
+            raise ValueError(f"a gallery has at least one partition, not {self.partitions}")
+        self.prefixes = parts.partition_prefixes(prefix, self.partitions)
+        # A gallery of several partitions is written in this layout from the start: nothing older.
+        self._schema_checked = self.partitions > 1
         self._create_subject = client.register_script(_CREATE_SUBJECT)
         self._update_subject = client.register_script(_UPDATE_SUBJECT)
         self._add_face = client.register_script(_ADD_FACE)
         self._remove_faces = client.register_script(_REMOVE_FACES)
         self._delete_subject = client.register_script(_DELETE_SUBJECT)
+        self._position = client.register_script(_POSITION)
 
     def ensure_schema(self) -> int:
         """Bring an older gallery's keys to :data:`GALLERY_SCHEMA` (once per process and dataset)."""
@@ -268,37 +296,69 @@ class GalleryStore:
         return moved
 
     # -- keys -------------------------------------------------------------------------------
+    def partition_of(self, subject_or_face_id: str) -> int:
+        """The partition of a subject, or of a face (a face id hashes to its subject's)."""
+        return parts.partition_of(subject_or_face_id, self.partitions)
+
+    def key(self, partition: int, name: str) -> str:
+        """Key ``name`` of a partition (``P name`` on one Redis)."""
+        return f"{self.prefixes[partition]}{name}"
+
     def subject_key(self, subject_id: str) -> str:
-        return f"{self.prefix}subject:{subject_id}"
+        return self.key(self.partition_of(subject_id), f"subject:{subject_id}")
 
     def subject_faces_key(self, subject_id: str) -> str:
         # Not "subject:{id}:faces": the subject "{id}:faces" would have that key for its hash.
-        return f"{self.prefix}subject-faces:{subject_id}"
+        return self.key(self.partition_of(subject_id), f"subject-faces:{subject_id}")
 
     def face_key(self, face_id: str) -> str:
-        return f"{self.prefix}face:{face_id}"
+        return self.key(self.partition_of(face_id), f"face:{face_id}")
 
-    def model_faces_key(self, model_id: str) -> str:
-        return f"{self.prefix}model:{model_id}:faces"
+    def model_faces_key(self, model_id: str, partition: int = 0) -> str:
+        return self.key(partition, f"model:{model_id}:faces")
 
-    def photo_key(self, model_id: str, sha256: str) -> str:
-        return f"{self.prefix}photo:{model_id}:{sha256}"
+    def photo_key(self, model_id: str, sha256: str, partition: int = 0) -> str:
+        return self.key(partition, f"photo:{model_id}:{sha256}")
+
+    def subjects_key_of(self, partition: int) -> str:
+        return self.key(partition, "subjects")
+
+    def rev_key_of(self, partition: int) -> str:
+        return self.key(partition, "rev")
+
+    def epoch_key_of(self, partition: int) -> str:
+        return self.key(partition, "epoch")
+
+    def changes_key_of(self, partition: int) -> str:
+        return self.key(partition, "changes")
 
     @property
     def subjects_key(self) -> str:
-        return f"{self.prefix}subjects"
+        """The subject list of the first (on one Redis: the only) partition."""
+        return self.subjects_key_of(0)
 
     @property
     def rev_key(self) -> str:
-        return f"{self.prefix}rev"
+        return self.rev_key_of(0)
 
     @property
     def epoch_key(self) -> str:
-        return f"{self.prefix}epoch"
+        return self.epoch_key_of(0)
 
     @property
     def changes_key(self) -> str:
-        return f"{self.prefix}changes"
+        return self.changes_key_of(0)
+
+    def new_face_id(self, subject_id: str) -> str:
+        """A random face id in the subject's partition."""
+        return parts.new_face_id(self.partition_of(subject_id), self.partitions)
+
+    def _script(self, script: Script, keys: list, args: list, pipe: Any = None) -> Any:
+        """Run ``script`` (queued on ``pipe`` when given). A cluster pipeline sends the script's
+        text (EVAL): a primary that took over from a replica may not have it cached for EVALSHA."""
+        if pipe is not None and self.cluster:
+            return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        return script(keys=keys, args=args, client=pipe)
 
     # -- subjects ---------------------------------------------------------------------------
     def create_subject(
@@ -306,9 +366,10 @@ class GalleryStore:
     ) -> Subject:
         subject_id = check_subject_id(subject_id) if subject_id is not None else secrets.token_hex(8)
         created = now_iso()
+        partition = self.partition_of(subject_id)
         with _redis_errors():
             done = self._create_subject(
-                keys=[self.subject_key(subject_id), self.subjects_key],
+                keys=[self.subject_key(subject_id), self.subjects_key_of(partition)],
                 args=[subject_id, name or "", json.dumps(metadata or {}), created, repr(time.time())],
             )
         if not done:
@@ -331,7 +392,8 @@ class GalleryStore:
         pipe.scard(self.subject_faces_key(subject_id))
         if model_id is None:
             return 1
-        pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id)])
+        partition = self.partition_of(subject_id)
+        pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id, partition)])
         return 2
 
     def get_subject(self, subject_id: str, model_id: str | None = None) -> Subject:
@@ -383,34 +445,54 @@ class GalleryStore:
         if query and query.strip():
             matches = self.search_subject_ids(query)
             total, ids = len(matches), matches[offset : offset + limit]
-        else:
+        elif self.partitions == 1:
             with _redis_errors():
                 total = self.redis.zcard(self.subjects_key)
                 ids = [i.decode() for i in self.redis.zrange(self.subjects_key, offset, offset + limit - 1)]
+        else:
+            total, ids = self._subject_page(offset, limit)
         return self._subjects(ids, model_id), total
+
+    def _subject_page(self, offset: int, limit: int) -> tuple[int, list[str]]:
+        """The total and a page of subject ids in creation order, merged from every partition
+        (each gives its first ``offset + limit``: the page is among them)."""
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for p in range(self.partitions):
+                pipe.zcard(self.subjects_key_of(p))
+                pipe.zrange(self.subjects_key_of(p), 0, offset + limit - 1, withscores=True)
+            replies = pipe.execute()
+        total = sum(int(n) for n in replies[::2])
+        merged = sorted((score, sid.decode()) for part in replies[1::2] for sid, score in part)
+        return total, [sid for _, sid in merged[offset : offset + limit]]
 
     def search_subject_ids(self, query: str) -> list[str]:
         """Ids of the subjects whose id or name contains ``query`` (case-insensitive), in creation order."""
         needle = query.strip().casefold()
-        found: list[str] = []
+        found: list[tuple[float, str]] = []
         with _redis_errors():
-            start = 0
-            while True:
-                batch = self.redis.zrange(self.subjects_key, start, start + SEARCH_BATCH - 1)
-                ids = [i.decode() for i in batch]
-                if not ids:
-                    break
-                pipe = self.redis.pipeline(transaction=False)
-                for sid in ids:
-                    pipe.hget(self.subject_key(sid), "name")
-                names = pipe.execute()
-                found += [
-                    sid
-                    for sid, name in zip(ids, names, strict=True)
-                    if needle in sid.casefold() or needle in (_s(name) or "").casefold()
-                ]
-                start += SEARCH_BATCH
-        return found
+            for partition in range(self.partitions):
+                found += self._search_partition(partition, needle)
+        return [sid for _, sid in sorted(found)]
+
+    def _search_partition(self, partition: int, needle: str) -> list[tuple[float, str]]:
+        """(creation score, id) of a partition's subjects whose id or name contains ``needle``."""
+        found = []
+        start = 0
+        key = self.subjects_key_of(partition)
+        while True:
+            batch = self.redis.zrange(key, start, start + SEARCH_BATCH - 1, withscores=True)
+            if not batch:
+                return found
+            pipe = self.redis.pipeline(transaction=False)
+            for sid, _ in batch:
+                pipe.hget(self.subject_key(sid.decode()), "name")
+            names = pipe.execute()
+            for (sid, score), name in zip(batch, names, strict=True):
+                sid = sid.decode()
+                if needle in sid.casefold() or needle in (_s(name) or "").casefold():
+                    found.append((score, sid))
+            start += SEARCH_BATCH
 
     def _subjects(self, ids: Sequence[str], model_id: str | None) -> list[Subject]:
         """The subjects ``ids`` (those deleted meanwhile left out), with their face counts."""
@@ -461,7 +543,7 @@ class GalleryStore:
                     keys=[
                         self.subject_key(subject_id),
                         self.subject_faces_key(subject_id),
-                        self.subjects_key,
+                        self.subjects_key_of(self.partition_of(subject_id)),
                     ],
                     args=[subject_id],
                 )
@@ -486,20 +568,22 @@ class GalleryStore:
         faces get ``subject_not_found``. The caller checks the ids (:func:`check_subject_id`)."""
         created = now_iso()
         score = repr(time.time())
-        face_ids = [new_face_id() for _ in items]
+        face_ids = [self.new_face_id(subject_id) for subject_id, _ in items]
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for face_id, (subject_id, face) in zip(face_ids, items, strict=True):
-                self._add_face(
+                partition = self.partition_of(subject_id)
+                self._script(
+                    self._add_face,
                     keys=[
                         self.subject_key(subject_id),
                         self.subject_faces_key(subject_id),
                         self.face_key(face_id),
-                        self.model_faces_key(model_id),
-                        self.photo_key(model_id, face.photo_sha256),
-                        self.rev_key,
-                        self.changes_key,
-                        self.subjects_key,
+                        self.model_faces_key(model_id, partition),
+                        self.photo_key(model_id, face.photo_sha256, partition),
+                        self.rev_key_of(partition),
+                        self.changes_key_of(partition),
+                        self.subjects_key_of(partition),
                     ],
                     args=[
                         face_id,
@@ -519,7 +603,7 @@ class GalleryStore:
                         "1" if create_subjects else "0",
                         score,
                     ],
-                    client=pipe,
+                    pipe=pipe,
                 )
             replies = pipe.execute()
         results: list[FaceRecord | ServiceError] = []
@@ -627,13 +711,27 @@ class GalleryStore:
         return sorted(faces, key=lambda f: (f.created_at, f.id))
 
     def remove_faces(self, face_ids: Sequence[str]) -> int:
-        """Remove faces (unknown ids are ignored); returns how many were removed."""
+        """Remove faces (unknown ids are ignored); returns how many were removed. One script per
+        partition: the faces of a partition go together."""
+        by_partition: dict[int, list[str]] = {}
+        for face_id in face_ids:
+            by_partition.setdefault(self.partition_of(face_id), []).append(face_id)
+        if not by_partition:
+            by_partition[0] = []
         with _redis_errors():
-            return int(
-                self._remove_faces(
-                    keys=[self.rev_key, self.changes_key], args=[self.prefix, STREAM_MAXLEN, *face_ids]
+            pipe = self.redis.pipeline(transaction=False) if len(by_partition) > 1 else None
+            replies = [
+                self._script(
+                    self._remove_faces,
+                    keys=[self.rev_key_of(p), self.changes_key_of(p)],
+                    args=[self.prefixes[p], STREAM_MAXLEN, *ids],
+                    pipe=pipe,
                 )
-            )
+                for p, ids in by_partition.items()
+            ]
+            if pipe is not None:
+                replies = pipe.execute()
+        return sum(int(n) for n in replies)
 
     def delete_face(self, face_id: str) -> None:
         if self.remove_faces([face_id]) == 0:
@@ -650,28 +748,65 @@ class GalleryStore:
                 rev, epoch = self.redis.mget(self.rev_key, self.epoch_key)
         return int(rev or 0), epoch
 
-    def revision(self) -> int:
+    def positions(self) -> list[tuple[int, bytes]]:
+        """(revision, epoch) of every partition (:meth:`revision_and_epoch` for each)."""
+        if self.partitions == 1:
+            return [self.revision_and_epoch()]
         with _redis_errors():
-            return int(self.redis.get(self.rev_key) or 0)
+            pipe = self.redis.pipeline(transaction=False)
+            for p in range(self.partitions):
+                pipe.get(self.rev_key_of(p))
+                pipe.get(self.epoch_key_of(p))
+            flat = pipe.execute()
+            replies = list(zip(flat[::2], flat[1::2], strict=True))
+            missing = [p for p, (_, epoch) in enumerate(replies) if epoch is None]
+            for p in missing:
+                self.redis.set(self.epoch_key_of(p), secrets.token_hex(8), nx=True)
+                replies[p] = self.redis.mget(self.rev_key_of(p), self.epoch_key_of(p))
+        return [(int(rev or 0), epoch) for rev, epoch in replies]
+
+    def read_position(self, partition: int, pipe: Any) -> None:
+        """Queue on ``pipe`` the read of a partition's revision and last stream entry id (one
+        script: the two agree); its reply is ``[revision or None, entry id or None]``."""
+        keys = [self.rev_key_of(partition), self.changes_key_of(partition)]
+        self._script(self._position, keys=keys, args=[], pipe=pipe)
+
+    def revision(self) -> int:
+        """The gallery's revision: the sum of its partitions' (each counts its own changes)."""
+        with _redis_errors():
+            if self.partitions == 1:
+                return int(self.redis.get(self.rev_key) or 0)
+            pipe = self.redis.pipeline(transaction=False)
+            for p in range(self.partitions):
+                pipe.get(self.rev_key_of(p))
+            return sum(int(rev or 0) for rev in pipe.execute())
 
     def faces_per_model(self) -> dict[str, int]:
         """How many faces each model has in the gallery (``model_id -> count``)."""
-        prefix = f"{self.prefix}model:"
-        counts = {}
+        tagged = self.partitions > 1  # P{tag}:model:{id}:faces, one per partition
+        pattern = f"{_glob(self.prefix)}{'{*}:' if tagged else ''}model:*:faces"
+        counts: dict[str, int] = {}
         with _redis_errors():
-            for key in self.redis.scan_iter(match=f"{prefix}*:faces", count=1000):
+            for key in self.redis.scan_iter(match=pattern, count=1000):
                 name = key.decode()
-                counts[name[len(prefix) : -len(":faces")]] = int(self.redis.scard(name))
+                rest = name[len(self.prefix) :]
+                model_id = (rest.split("}:", 1)[1] if tagged else rest)[len("model:") : -len(":faces")]
+                counts[model_id] = counts.get(model_id, 0) + int(self.redis.scard(name))
         return {k: v for k, v in counts.items() if v}
 
     def stats(self, model_id: str) -> GalleryStats:
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
-            pipe.zcard(self.subjects_key)
-            pipe.scard(self.model_faces_key(model_id))
-            pipe.get(self.rev_key)
-            subjects, faces, rev = pipe.execute()
-        return GalleryStats(subjects=subjects, faces=faces, revision=int(rev or 0))
+            for p in range(self.partitions):
+                pipe.zcard(self.subjects_key_of(p))
+                pipe.scard(self.model_faces_key(model_id, p))
+                pipe.get(self.rev_key_of(p))
+            replies = pipe.execute()
+        return GalleryStats(
+            subjects=sum(replies[0::3]),
+            faces=sum(replies[1::3]),
+            revision=sum(int(rev or 0) for rev in replies[2::3]),
+        )
 
 
 _MIGRATE_FACES_SET = """
@@ -701,6 +836,11 @@ def migrate_subject_faces_keys(client: redis.Redis, prefix: str = "sf:") -> int:
             moved += int(move(keys=[name, f"{prefix}subject-faces:{subject_id}", marker]))
         client.set(marker, GALLERY_SCHEMA)
     return moved
+
+
+def _glob(text: str) -> str:
+    """``text`` with the characters special to Redis's glob patterns escaped."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 class _redis_errors:
