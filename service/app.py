@@ -10,8 +10,7 @@ import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.cluster import RedisCluster
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.errors import SphereFaceError
@@ -33,6 +32,7 @@ from service.gallery.store import GalleryStore
 from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
+from service.redis_clients import gallery_client, redis_client  # noqa: F401  (redis_client: for callers)
 from service.routes import faces, gallery, health, identify
 from service.routes.common import reject_unknown_query
 from service.routes.page import add_page
@@ -101,23 +101,13 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
     return sorted(methods)
 
 
-def redis_client(url: str, timeout: float) -> redis.Redis:
-    """A client that gives up on a stalled Redis after ``timeout`` seconds without retrying (the
-    caller answers 503 at once), retries once a connection that was refused or dropped (free, and
-    what a restarted Redis needs for its pooled connections), and reconnects by itself."""
-    return redis.Redis.from_url(
-        url,
-        protocol=2,
-        socket_connect_timeout=timeout,
-        socket_timeout=timeout,
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        health_check_interval=30,
-    )
-
-
 def make_search(settings: Settings, store: GalleryStore, model_id: str, dim: int):
     """The identification search the settings ask for (numpy in process, or Redis KNN)."""
     if settings.search == "redis":
+        if store.cluster:
+            raise RedisSetupError(
+                "SPHEREFACE_SEARCH=redis is not available with a Redis Cluster: use SPHEREFACE_SEARCH=numpy"
+            )
         search = RedisKnnSearch(store.redis, model_id=model_id, dim=dim, prefix=settings.redis_prefix)
         search.ensure_index()
         return search
@@ -136,19 +126,15 @@ def load_pipeline(settings: Settings) -> FacePipeline:
     )
 
 
-def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis:
-    """Connect the gallery's Redis and the identification search into ``app.state``; returns the
-    client to close at shutdown. A Redis that does not answer yet is logged, not fatal:
-    ``/readyz`` says so until it answers."""
-    if not settings.redis_url:
-        raise RedisSetupError(
-            "no Redis for the gallery: set REDIS_URL (e.g. redis://localhost:6379/0), "
-            "or run `sphereface serve`, which starts a local redis-server"
-        )
+def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis | RedisCluster:
+    """Connect the gallery's Redis (or Redis Cluster) and the identification search into
+    ``app.state``; returns the client to close at shutdown. A Redis that does not answer yet is
+    logged, not fatal: ``/readyz`` says so until it answers (a cluster must answer at start: its
+    client learns the slots from it)."""
     manifest = app.state.pipeline.manifest
-    client = redis_client(settings.redis_url, settings.redis_timeout)
+    client = gallery_client(settings)
     app.state.redis = client
-    app.state.redis_probe = redis_client(settings.redis_url, min(0.5, settings.redis_timeout / 2))
+    app.state.redis_probe = gallery_client(settings, min(0.5, settings.redis_timeout / 2))
     app.state.store = store = GalleryStore(
         client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
     )

@@ -33,6 +33,7 @@ import redis as redis_lib
 from fastapi import Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import APIKeyHeader
+from redis.cluster import RedisCluster
 
 from service.errors import (
     InsufficientScopeError,
@@ -155,17 +156,23 @@ def create_key(
     return key, ApiKeyInfo(key_id=key_id, scope=checked, name=name, created_at=created_at)
 
 
-def revoke_key(redis: redis_lib.Redis, key_or_id: str, prefix: str = "sf:") -> bool:
+def revoke_key(redis: redis_lib.Redis | RedisCluster, key_or_id: str, prefix: str = "sf:") -> bool:
     """Delete a key given in full or by its id; False when there is no such key."""
     key_or_id = key_or_id.strip()
     key_id = key_or_id if _KEY_ID_RE.match(key_or_id) else parse_key(key_or_id)
     if key_id is None:
         return False
     with _redis_errors("revoke an API key"):
-        pipe = redis.pipeline(transaction=True)
-        pipe.delete(_record_key(prefix, key_id))
-        pipe.srem(_index_key(prefix), key_id)
-        deleted, removed = pipe.execute()
+        if isinstance(redis, RedisCluster):
+            # The record and the index are in two slots: no transaction spans them. The record
+            # goes first, so the key stops working before it leaves the list.
+            deleted = redis.delete(_record_key(prefix, key_id))
+            removed = redis.srem(_index_key(prefix), key_id)
+        else:
+            pipe = redis.pipeline(transaction=True)
+            pipe.delete(_record_key(prefix, key_id))
+            pipe.srem(_index_key(prefix), key_id)
+            deleted, removed = pipe.execute()
     return bool(deleted or removed)
 
 

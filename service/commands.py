@@ -19,9 +19,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="run the REST service",
-        description="Run the API (default 127.0.0.1:8000, the default model). With no REDIS_URL, a "
-        "local redis-server keeps the gallery in DATA_DIR/redis (append-only, fsync always). Every "
-        "flag also reads from SPHEREFACE_<NAME> (see service/settings.py).",
+        description="Run the API (default 127.0.0.1:8000, the default model). With neither REDIS_URL "
+        "nor --redis-cluster, a local redis-server keeps the gallery in DATA_DIR/redis (append-only, "
+        "fsync always). Every flag also reads from SPHEREFACE_<NAME> (see service/settings.py).",
     )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
@@ -32,25 +32,41 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--data-dir", default=None, help="local Redis data and admin key (default .sphereface)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="the gallery's Redis (default: REDIS_URL, else a local redis-server)",
+    )
+    p.add_argument(
+        "--redis-cluster",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="keep the gallery in this Redis Cluster (some of its nodes), in 64 hash-tagged partitions; "
+        "not together with --redis-url",
+    )
     p.set_defaults(func=_run_serve)
-
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from service.main import serve
 
     return serve(
-        host=args.host, port=args.port, model=args.model, data_dir=args.data_dir, workers=args.workers
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        data_dir=args.data_dir,
+        workers=args.workers,
+        redis_url=args.redis_url,
+        redis_cluster=args.redis_cluster,
     )
-
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "keys",
         help="API keys of the service (stored hashed in Redis)",
-        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command "
-        "when the service is not running).",
+        description="Uses SPHEREFACE_REDIS_CLUSTER or REDIS_URL, else the local Redis of --data-dir "
+        "(started for the command when the service is not running).",
     )
     p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
     which = p.add_subparsers(dest="action", required=True)
@@ -63,17 +79,14 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_keys)
 
 
-
 def _run_keys(args: argparse.Namespace) -> int:
-    import redis
-
     from service.auth import create_key, list_keys, revoke_key
-    from service.main import gallery_redis
+    from service.main import gallery_client_of
     from service.settings import Settings
 
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
     prefix = settings.redis_prefix
-    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+    with gallery_client_of(settings) as client:
         if args.action == "create":
             key, info = create_key(client, args.scope, args.name, prefix=prefix)
             print(key)
@@ -89,13 +102,12 @@ def _run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _add_gallery(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gallery",
         help="gallery tools: faces per model, re-embed for another model",
-        description="Uses REDIS_URL, else the local Redis of --data-dir (started for the command when the "
-        "service is not running).",
+        description="Uses SPHEREFACE_REDIS_CLUSTER or REDIS_URL, else the local Redis of --data-dir "
+        "(started for the command when the service is not running).",
     )
     p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
     which = p.add_subparsers(dest="action", required=True)
@@ -110,16 +122,13 @@ def _add_gallery(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_gallery)
 
 
-
 def _run_gallery(args: argparse.Namespace) -> int:
-    import redis
-
     from service.gallery.store import GalleryStore
-    from service.main import gallery_redis
+    from service.main import gallery_client_of
     from service.settings import Settings
 
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
-    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+    with gallery_client_of(settings) as client:
         store = GalleryStore(
             client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
         )

@@ -150,7 +150,8 @@ class RedisUnavailableError(ServiceError):
 
 
 class RedisSetupError(ServiceError):
-    """A local redis-server could not be found or started."""
+    """The gallery's Redis could not be set up: a local redis-server not found or not started, a
+    cluster that does not answer, or a contradictory choice of Redis."""
 
     code = "redis_setup_failed"
 

@@ -1,6 +1,7 @@
 """``sphereface serve`` and ``sphereface keys``: the service's processes and its Redis.
 
-With no ``REDIS_URL``, ``serve`` starts a local ``redis-server`` that keeps the gallery in
+With ``SPHEREFACE_REDIS_CLUSTER`` (``--redis-cluster``) the gallery lives in that Redis Cluster.
+With neither it nor ``REDIS_URL``, ``serve`` starts a local ``redis-server`` that keeps the gallery in
 ``DATA_DIR/redis`` (append-only file, fsync on every write), starts it again when it dies, and
 stops it on exit. On first start with API keys on and none configured, it creates an admin key
 and writes it to ``DATA_DIR/admin.key`` (mode 0600).
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.cluster import RedisCluster
 
 from service.gallery import snapshot
 from service.logs import uvicorn_log_config
@@ -62,7 +64,25 @@ def gallery_redis(settings: Settings) -> Iterator[tuple[str, bool]]:
         server.stop()
 
 
-def ensure_admin_key(settings: Settings, client: redis.Redis) -> Path | None:
+@contextmanager
+def gallery_client_of(settings: Settings) -> Iterator[redis.Redis | RedisCluster]:
+    """A client of the gallery's Redis for a command: the cluster of ``SPHEREFACE_REDIS_CLUSTER``,
+    or the Redis of :func:`gallery_redis`; closed after."""
+    from service.redis_clients import cluster_client
+
+    settings.check_redis()
+    if settings.redis_cluster:
+        client = cluster_client(settings.cluster_nodes(), settings.redis_timeout)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    with gallery_redis(settings) as (url, _), redis.Redis.from_url(url, protocol=2) as client:
+        yield client
+
+
+def ensure_admin_key(settings: Settings, client: redis.Redis | RedisCluster) -> Path | None:
     """First start with keys on and none anywhere: create an admin key, write it to a 0600 file."""
     from service.auth import create_key, list_keys
 
@@ -79,13 +99,14 @@ def ensure_admin_key(settings: Settings, client: redis.Redis) -> Path | None:
 
 
 @contextmanager
-def served_redis(settings: Settings) -> Iterator[str]:
-    """The Redis URL of a serve process: ``REDIS_URL``, or a local redis-server that this process
+def served_redis(settings: Settings) -> Iterator[str | None]:
+    """The Redis URL of a serve process: ``REDIS_URL`` (None with a Redis Cluster, which the
+    settings name), or a local redis-server that this process
     starts, watches (started again when it dies: :class:`~service.supervision.RedisWatcher`) and
     stops on the way out. A server of the data folder that this process did not start is refused
     (:class:`~service.errors.RedisSetupError`): it could not be restarted, and would stop when
     its owner, a ``keys`` or ``gallery`` command, ends."""
-    if settings.redis_url:
+    if settings.redis_url or settings.redis_cluster:
         yield settings.redis_url
         return
     from service.redis_server import LocalRedis
@@ -123,15 +144,26 @@ def serve(
     model: str | None = None,
     data_dir: str | None = None,
     workers: int | None = None,
+    redis_url: str | None = None,
+    redis_cluster: str | None = None,
 ) -> int:
     """Start the service; flags override ``SPHEREFACE_*`` environment variables."""
-    flags = {"host": host, "port": port, "model": model, "data_dir": data_dir, "workers": workers}
+    flags = {
+        "host": host,
+        "port": port,
+        "model": model,
+        "data_dir": data_dir,
+        "workers": workers,
+        "redis_url": redis_url,
+        "redis_cluster": redis_cluster,
+    }
     overrides = {k: v for k, v in flags.items() if v is not None}
     settings = Settings(**overrides)
+    settings.check_redis()  # not both a URL and a cluster
     # One serve per data folder. With REDIS_URL the folder still holds what this process writes
     # (the workers' metrics, the bootstrap admin key), so it is locked too when it can be written;
-    # several serves share one REDIS_URL with a data folder each.
-    lock = lock_data_dir(settings.data_dir, required=not settings.redis_url)
+    # several serves share one REDIS_URL (or cluster) with a data folder each.
+    lock = lock_data_dir(settings.data_dir, required=not (settings.redis_url or settings.redis_cluster))
     try:
         check_model(settings)
         # uvicorn finishes the requests in flight on SIGTERM or SIGINT (Ctrl-C), then raises the
@@ -140,13 +172,15 @@ def serve(
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGINT, _exit_on_signal)
         with served_redis(settings) as url:
-            settings = settings.model_copy(update={"redis_url": url})
-            with redis.Redis.from_url(url, protocol=2) as client:
+            if url is not None:
+                settings = settings.model_copy(update={"redis_url": url})
+                overrides["redis_url"] = url
+            with gallery_client_of(settings) as client:
                 ensure_admin_key(settings, client)
             if settings.workers == 1:
                 run_one_process(settings)
             else:
-                run_workers(settings, {**overrides, "redis_url": url})
+                run_workers(settings, overrides)
     finally:
         if lock is not None:
             os.close(lock)

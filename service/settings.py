@@ -10,6 +10,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from service.errors import RedisSetupError
 
 
 class Settings(BaseSettings):
@@ -50,6 +51,13 @@ class Settings(BaseSettings):
         None,
         validation_alias=AliasChoices("SPHEREFACE_REDIS_URL", "REDIS_URL", "redis_url"),
         description="Redis to keep the gallery in; unset: `sphereface serve` starts a local redis-server",
+    )
+    redis_cluster: str | None = Field(
+        None,
+        validation_alias=AliasChoices("SPHEREFACE_REDIS_CLUSTER", "redis_cluster"),
+        description="a Redis Cluster to keep the gallery in, as HOST:PORT[,HOST:PORT...] (some of its "
+        "nodes; the client learns the rest): the gallery is split into 64 hash-tagged partitions "
+        "spread over the primaries. Not together with redis_url",
     )
     data_dir: Path = Field(Path(".sphereface"), description="local redis-server data (AOF) and admin key")
     redis_prefix: str = Field("sf:", description="prefix of every key the service writes")
@@ -159,6 +167,29 @@ class Settings(BaseSettings):
         """``SPHEREFACE_API_KEY=`` (empty, as compose passes an unset variable) means no key, so the
         first start creates one instead of accepting an empty key."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    def check_redis(self) -> None:
+        """Refuse a contradictory or malformed choice of Redis (RedisSetupError)."""
+        if self.redis_url and self.redis_cluster:
+            raise RedisSetupError(
+                "give the gallery's Redis either as a URL (--redis-url, SPHEREFACE_REDIS_URL or REDIS_URL) "
+                "or as a cluster (--redis-cluster, SPHEREFACE_REDIS_CLUSTER), not both"
+            )
+        if self.redis_cluster is not None:
+            self.cluster_nodes()
+
+    def cluster_nodes(self) -> list[tuple[str, int]]:
+        """The nodes of :attr:`redis_cluster` as (host, port); RedisSetupError when malformed."""
+        nodes = []
+        for item in (self.redis_cluster or "").split(","):
+            host, _, port = item.strip().rpartition(":")
+            host = host.strip("[]")  # [::1]:7000
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise RedisSetupError(
+                    f"--redis-cluster takes HOST:PORT[,HOST:PORT...], and {item.strip()!r} is not HOST:PORT"
+                )
+            nodes.append((host, int(port)))
+        return nodes
 
     @property
     def gallery_snapshot_dir(self) -> Path | None:

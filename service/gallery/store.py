@@ -558,6 +558,20 @@ class GalleryStore:
         """Enroll faces for one subject; one result per face (a record or a typed error)."""
         return self.add_faces_bulk([(subject_id, face) for face in faces], model_id)
 
+    def _add_face_keys(self, subject_id: str, face_id: str, model_id: str, sha256: str) -> list[str]:
+        """The keys of the add-face script, all in the subject's partition."""
+        partition = self.partition_of(subject_id)
+        return [
+            self.subject_key(subject_id),
+            self.subject_faces_key(subject_id),
+            self.face_key(face_id),
+            self.model_faces_key(model_id, partition),
+            self.photo_key(model_id, sha256, partition),
+            self.rev_key_of(partition),
+            self.changes_key_of(partition),
+            self.subjects_key_of(partition),
+        ]
+
     def add_faces_bulk(
         self, items: Sequence[tuple[str, NewFace]], model_id: str, *, create_subjects: bool = False
     ) -> list[FaceRecord | ServiceError]:
@@ -572,19 +586,9 @@ class GalleryStore:
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for face_id, (subject_id, face) in zip(face_ids, items, strict=True):
-                partition = self.partition_of(subject_id)
                 self._script(
                     self._add_face,
-                    keys=[
-                        self.subject_key(subject_id),
-                        self.subject_faces_key(subject_id),
-                        self.face_key(face_id),
-                        self.model_faces_key(model_id, partition),
-                        self.photo_key(model_id, face.photo_sha256, partition),
-                        self.rev_key_of(partition),
-                        self.changes_key_of(partition),
-                        self.subjects_key_of(partition),
-                    ],
+                    keys=self._add_face_keys(subject_id, face_id, model_id, face.photo_sha256),
                     args=[
                         face_id,
                         subject_id,
