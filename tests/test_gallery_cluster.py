@@ -245,3 +245,18 @@ def test_no_script_crosses_slots(store, cluster_client) -> None:
     assert store.delete_subject("x") == 0
     with pytest.raises(RedisClusterException, match="same key slot"):
         cluster_client.eval("return 1", 2, store.rev_key_of(0), store.rev_key_of(1))
+
+
+def test_a_photo_is_refused_twice_within_a_partition(store) -> None:
+    """Photo keys live in the subject's partition: the same photo is refused again for a subject of
+    that partition (another partition's subject does not see it: the documented limit)."""
+    rng = np.random.default_rng(9)
+    vector = random_unit(rng, DIM)
+    first = add(store, "d0", vector)
+    same = next(f"d{i}" for i in range(1, 500) if store.partition_of(f"d{i}") == store.partition_of("d0"))
+    other = next(f"d{i}" for i in range(1, 500) if store.partition_of(f"d{i}") != store.partition_of("d0"))
+    for subject_id in ("d0", same):
+        (result,) = store.add_faces_bulk([(subject_id, emb_face(vector))], "m1", create_subjects=True)
+        assert getattr(result, "code", None) == "duplicate_photo" and first.id in result.message
+    assert isinstance(add(store, other, vector), FaceRecord)
+    assert isinstance(add(store, "d0", vector, model_id="m2"), FaceRecord)  # per model, as on one Redis
