@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import redis
 from redis.exceptions import ResponseError
@@ -43,3 +49,29 @@ def test_cluster_refuses_a_cross_slot_multi_key_operation(redis_cluster) -> None
         direct.close()
     finally:
         client.close()
+
+
+def test_the_servers_die_with_the_process_that_started_them(redis_binary, tmp_path) -> None:
+    """A test session killed outright (SIGKILL: no fixture teardown, no atexit) leaves no server."""
+    script = (
+        "import sys, time\n"
+        "from tests.redis_cluster import LocalCluster\n"
+        f"c = LocalCluster({redis_binary!r}).start()\n"
+        "print(c.folder, ' '.join(map(str, c.pids())), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent
+    )
+    try:
+        folder, *pids = child.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 6 and all(running(pid) for pid in pids)
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(pid) for pid in pids)
+    shutil.rmtree(folder, ignore_errors=True)  # what the killed process could not remove
