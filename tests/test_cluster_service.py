@@ -167,3 +167,33 @@ def test_keys_and_gallery_commands_use_the_cluster_of_the_environment(
     assert cli_main(["gallery", "--data-dir", data_dir, "models"]) == 0
     assert capsys.readouterr().out.split() == ["3", "m1"]
     assert not (tmp_path / "data" / "redis").exists()  # no local redis-server was started
+
+
+@pytest.mark.shared_data
+def test_sphereface_serve_redis_cluster_serves_the_gallery_from_the_cluster(
+    redis_cluster, default_model_dir, photos_dir, workdir
+) -> None:
+    from service.serve_process import Service
+
+    redis_cluster.flush()
+    photo = sorted((photos_dir / "people" / "lennon").glob("*.jpg"))
+    service = Service(
+        default_model_dir, workdir / "data", options=["--redis-cluster", redis_cluster.startup_nodes]
+    )
+    try:
+        http = service.client
+        assert http.post("/v1/subjects", json={"id": "lennon"}).status_code == 201
+        r = http.post("/v1/subjects/lennon/faces", files=[upload(photo[0])])
+        assert r.status_code == 200 and r.json()["enrolled"] == 1, r.text
+        (face,) = http.post("/v1/identify", files=[upload(photo[1], "photo")]).json()["faces"]
+        assert (face["status"], face["subject_id"]) == ("known", "lennon")
+    finally:
+        assert service.stop() == 0
+    client = redis_cluster.client()
+    try:
+        store = GalleryStore(client)
+        assert store.get_subject("lennon").face_count == 1  # in the cluster, in its partition
+        assert client.exists(store.subject_key("lennon")) and "{g" in store.subject_key("lennon")
+    finally:
+        client.close()
+    assert not (workdir / "data" / "redis").exists()  # no local redis-server

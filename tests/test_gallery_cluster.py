@@ -165,10 +165,15 @@ def test_index_equals_brute_force_after_random_changes_over_all_partitions(store
     rng = np.random.default_rng(4)
     index = LiveIndex(store, "m1", DIM)
     other = LiveIndex(GalleryStore(cluster_client, "sf:"), "m1", DIM)  # another worker
+    pool: dict[int, list[str]] = {}  # two subject ids in every partition
+    for i in range(10_000):
+        pool.setdefault(store.partition_of(f"u{i}"), []).append(f"u{i}")
+    subjects = [sid for ids in pool.values() for sid in ids[:2]]
+    assert len(subjects) == 128
     live: dict[str, FaceRecord] = {}
     for step in range(6):
-        for _ in range(40):
-            sid = f"u{rng.integers(0, 60)}"
+        for i in range(48):
+            sid = subjects[(48 * step + i) % 128] if step < 3 else subjects[rng.integers(0, 128)]
             record = add(store, sid, random_unit(rng, DIM))
             live[record.id] = record
         gone = rng.choice(sorted(live), size=12, replace=False)
@@ -189,7 +194,8 @@ def test_index_equals_brute_force_after_random_changes_over_all_partitions(store
                 want = brute_force(store, "m1", query, 5)
                 assert [h.subject_id for h in got] == [sid for sid, _ in want]
                 np.testing.assert_allclose([h.score for h in got], [s for _, s in want], rtol=1e-5)
-    assert len({store.partition_of(r.subject_id) for r in live.values()}) > 30
+    assert all(rev > 0 for rev, _ in store.positions())  # every partition changed
+    assert len({store.partition_of(r.subject_id) for r in live.values()}) > 56
     assert index.revision == store.revision()
     assert index.full_reloads == 1  # followed the streams, never reloaded
 
