@@ -140,6 +140,8 @@ def test_listing_paging_searching_and_counting_span_every_partition(store) -> No
     assert seen == ids
     first, _ = store.list_subjects(0, 2, model_id="m1")
     assert [(s.id, s.face_count, s.face_count_all_models) for s in first] == [("p00", 1, 2), ("p01", 1, 1)]
+    walked = list(store.subject_ids(batch=2))  # partition after partition, 2 ids per read
+    assert len(walked) == 30 and set(walked) == set(ids)
     found, total = store.list_subjects(0, 50, query="special")
     assert total == 10 and [s.id for s in found] == [ids[i] for i in range(0, 30, 3)]
     stats = store.stats("m1")

@@ -51,19 +51,9 @@ class ReembedReport:
         return "\n".join(lines)
 
 
-def _subject_ids(store: GalleryStore, page: int = 500) -> Iterator[str]:
-    offset = 0
-    while True:
-        subjects, total = store.list_subjects(offset, page)
-        yield from (s.id for s in subjects)
-        offset += page
-        if offset >= total:
-            return
-
-
 def _pending(store: GalleryStore, model_id: str, report: ReembedReport) -> Iterator[tuple[str, FaceRecord]]:
     """(subject, a face of another model with an image) for each photo the model lacks."""
-    for subject_id in _subject_ids(store):
+    for subject_id in store.subject_ids():
         by_photo: dict[str, list[FaceRecord]] = {}
         for face in store.subject_faces(subject_id):
             by_photo.setdefault(face.photo_sha256, []).append(face)

@@ -33,7 +33,7 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -465,6 +465,20 @@ class GalleryStore:
         total = sum(int(n) for n in replies[::2])
         merged = sorted((score, sid.decode()) for part in replies[1::2] for sid, score in part)
         return total, [sid for _, sid in merged[offset : offset + limit]]
+
+    def subject_ids(self, batch: int = SEARCH_BATCH) -> Iterator[str]:
+        """Every subject id: each partition's in creation order, one partition after another
+        (read ``batch`` at a time; a walk over the gallery that needs no global order)."""
+        for partition in range(self.partitions):
+            key = self.subjects_key_of(partition)
+            start = 0
+            while True:
+                with _redis_errors():
+                    ids = self.redis.zrange(key, start, start + batch - 1)
+                yield from (sid.decode() for sid in ids)
+                if len(ids) < batch:
+                    break
+                start += batch
 
     def search_subject_ids(self, query: str) -> list[str]:
         """Ids of the subjects whose id or name contains ``query`` (case-insensitive), in creation order."""
