@@ -19,6 +19,7 @@ from models.runtime import use_cpu_memory_arena
 from service.admission import Admission, PixelBudget, default_face_limit
 from service.auth import AuthGate, require_read
 from service.errors import (
+    REDIS_DOWN_ERRORS,
     InvalidRequestError,
     RedisSetupError,
     RedisUnavailableError,
@@ -210,10 +211,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def domain_error(_: Request, exc: SphereFaceError) -> JSONResponse:
         return error_response(exc, headers=getattr(exc, "headers", None))  # e.g. Retry-After
 
-    @app.exception_handler(redis.ConnectionError)
-    @app.exception_handler(redis.TimeoutError)
-    async def redis_down(_: Request, exc: redis.RedisError) -> JSONResponse:
+    async def redis_down(_: Request, exc: Exception) -> JSONResponse:
         return error_response(redis_unavailable(exc))
+
+    for error in REDIS_DOWN_ERRORS:
+        app.add_exception_handler(error, redis_down)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -36,6 +36,7 @@ from fastapi.security import APIKeyHeader
 from redis.cluster import RedisCluster
 
 from service.errors import (
+    REDIS_DOWN_ERRORS,
     InsufficientScopeError,
     InvalidApiKeyError,
     MissingApiKeyError,
@@ -123,7 +124,7 @@ def _redis_errors(doing: str) -> Iterator[None]:
     """Turn a Redis that cannot be reached into :class:`RedisUnavailableError` (503)."""
     try:
         yield
-    except (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError) as exc:
+    except REDIS_DOWN_ERRORS as exc:
         raise redis_unavailable(exc, doing) from exc
 
 

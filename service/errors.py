@@ -156,6 +156,19 @@ class RedisSetupError(ServiceError):
     code = "redis_setup_failed"
 
 
+#: Failures of a Redis (or Redis Cluster) that pass: answered 503 ``redis_unavailable``. Besides
+#: a connection refused or a timeout, a cluster may be down (no primary for a slot yet, during a
+#: failover: CLUSTERDOWN, MASTERDOWN), ask for a retry (TRYAGAIN, while a slot migrates) or have
+#: a slot no node serves.
+REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+
+
 def redis_unavailable(exc: BaseException, doing: str = "") -> RedisUnavailableError:
     """The 503 answer for a Redis that fails: the details (hosts, socket paths) go to the log only,
     never to the client, who may not even have a key."""

@@ -140,7 +140,8 @@ class LocalCluster:
 
     def nodes(self, port: int | None = None) -> list[dict[str, str]]:
         """``CLUSTER NODES`` of one node: address, id, flags, primary (a replica's), slots ("a-b ...")."""
-        with redis.Redis(host="127.0.0.1", port=port or self.ports[0], socket_timeout=1) as client:
+        port = port or (self.alive_ports() or self.ports)[0]
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as client:
             parsed = client.execute_command(
                 "CLUSTER NODES"
             )  # redis-py: {address: {node_id, flags, master_id, slots}}
@@ -166,6 +167,44 @@ class LocalCluster:
                 host, port = row["address"].rsplit(":", 1)
                 with redis.Redis(host=host, port=int(port)) as client:
                     client.flushall()
+
+    def kill_node(self, address: str) -> None:
+        """SIGKILL the server at ``host:port`` (a crash: its replica takes over after the node timeout)."""
+        index = self.ports.index(int(address.rsplit(":", 1)[1]))
+        self.processes[index].kill()
+        self.processes[index].wait()
+
+    def alive_ports(self) -> list[int]:
+        pairs = zip(self.ports, self.processes, strict=True)
+        return [port for port, process in pairs if process.poll() is None]
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Until every replica has every write its primary has (replication is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            behind = []
+            for row in self.nodes():
+                if "master" not in row["flags"] or "fail" in row["flags"]:
+                    continue
+                host, port = row["address"].rsplit(":", 1)
+                with redis.Redis(host=host, port=int(port)) as client:
+                    info = client.info("replication")
+                offset = info["master_repl_offset"]
+                replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                behind += [r for r in replicas if int(r["offset"]) < offset]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas still behind after {timeout} s: {behind}")
+            time.sleep(0.02)
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node says the cluster is ok with every slot served (after a failover)."""
+        deadline = time.monotonic() + timeout
+        while not all(self._node_ok(port) for port in self.alive_ports()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not come back to cluster_state:ok")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for process in self.processes:

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from redis.exceptions import RedisClusterException
 
+from service.errors import RedisUnavailableError
 from service.gallery.index import LiveIndex
 from service.gallery.partitions import CLUSTER_PARTITIONS, partition_tags
 from service.gallery.store import FaceRecord, GalleryStore
 from tests.gallery_vectors import emb_face, random_unit
+from tests.redis_cluster import LocalCluster
 
 DIM = 16
 #: Subjects of the spread test, and how far (as a fraction of a third) a primary's share may be
@@ -268,3 +270,46 @@ def test_a_photo_is_refused_twice_within_a_partition(store) -> None:
         assert getattr(result, "code", None) == "duplicate_photo" and first.id in result.message
     assert isinstance(add(store, other, vector), FaceRecord)
     assert isinstance(add(store, "d0", vector, model_id="m2"), FaceRecord)  # per model, as on one Redis
+
+
+# -- a primary fails --------------------------------------------------------------------------------
+
+
+def test_the_gallery_survives_the_crash_of_a_primary(redis_binary) -> None:
+    """A primary is killed: while its replica takes over, requests fail as 503 redis_unavailable
+    (never another error); then writes and exact search go on, with nothing replicated lost."""
+    cluster = LocalCluster(redis_binary).start()  # its own cluster: the session's stays whole
+    try:
+        client = cluster.client()
+        store = GalleryStore(client)
+        index = LiveIndex(GalleryStore(client), "m1", DIM)
+        rng = np.random.default_rng(10)
+        records = [add(store, f"c{i}", random_unit(rng, DIM)) for i in range(60)]
+        index.refresh()
+        cluster.wait_replicated()
+        victim = primary_of(client, store.subject_key("c0"))
+        cluster.kill_node(victim)
+        failures = 0
+        deadline = time.monotonic() + 30
+        while True:  # the first requests may find no primary for the slot yet
+            try:
+                vector = random_unit(rng, DIM)
+                record = add(store, "c0", vector)
+                break
+            except RedisUnavailableError:
+                failures += 1
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        cluster.wait_ok()
+        assert primary_of(client, store.subject_key("c0")) != victim
+        (top,) = index.search(vector[None], 1)[0]
+        assert (top.subject_id, top.face_id) == ("c0", record.id)
+        assert store.stats("m1").faces == 61 and len(index) == 61
+        assert {f.id for f in store.subject_faces("c0")} == {records[0].id, record.id}
+        query = random_unit(rng, DIM)
+        want = brute_force(store, "m1", query, 5)
+        assert [h.subject_id for h in index.search(query[None], 5)[0]] == [sid for sid, _ in want]
+        print(f"\nfailover: {failures} requests answered redis_unavailable before the replica took over")
+        client.close()
+    finally:
+        cluster.stop()

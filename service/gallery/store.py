@@ -44,6 +44,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from service.errors import (
+    REDIS_DOWN_ERRORS,
     DuplicatePhotoError,
     FaceNotFoundError,
     InvalidEmbeddingError,
@@ -862,12 +863,12 @@ def _glob(text: str) -> str:
 
 
 class _redis_errors:
-    """Turn Redis connection failures into a typed 503 answer."""
+    """Turn Redis failures that pass (:data:`~service.errors.REDIS_DOWN_ERRORS`) into a typed 503 answer."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        if exc is not None and isinstance(exc, REDIS_DOWN_ERRORS):
             raise redis_unavailable(exc) from exc
         return False
