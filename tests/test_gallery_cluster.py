@@ -15,7 +15,7 @@ from service.gallery.index import LiveIndex
 from service.gallery.partitions import CLUSTER_PARTITIONS, partition_tags
 from service.gallery.store import FaceRecord, GalleryStore
 from tests.gallery_vectors import emb_face, random_unit
-from tests.redis_cluster import LocalCluster
+from tests.redis_cluster import LocalCluster, migrate_slot, owns
 
 DIM = 16
 #: Subjects of the spread test, and how far (as a fraction of a third) a primary's share may be
@@ -310,6 +310,63 @@ def test_the_gallery_survives_the_crash_of_a_primary(redis_binary) -> None:
         want = brute_force(store, "m1", query, 5)
         assert [h.subject_id for h in index.search(query[None], 5)[0]] == [sid for sid, _ in want]
         print(f"\nfailover: {failures} requests answered redis_unavailable before the replica took over")
+        client.close()
+    finally:
+        cluster.stop()
+
+
+# -- a partition moves to another primary -----------------------------------------------------------
+
+
+def test_the_gallery_goes_on_while_a_partition_moves_to_another_primary(redis_binary) -> None:
+    """The slot of a partition is migrated (as ``redis-cli --cluster reshard`` does) while the
+    gallery is written: writes to that partition answer 503 redis_unavailable (TRYAGAIN) or go
+    through, nothing else; afterwards every face is there and search equals brute force."""
+    cluster = LocalCluster(redis_binary).start()
+    try:
+        client = cluster.client()
+        store = GalleryStore(client)
+        index = LiveIndex(GalleryStore(client), "m1", DIM)
+        rng = np.random.default_rng(11)
+        p = store.partition_of("mover-0")
+        movers = [f"mover-{i}" for i in range(2000) if store.partition_of(f"mover-{i}") == p][:8]
+        live = {r.id: r for r in (add(store, sid, random_unit(rng, DIM)) for sid in movers)}
+        stayers = [f"stay-{i}" for i in range(40) if store.partition_of(f"stay-{i}") != p][:20]
+        live |= {r.id: r for r in (add(store, sid, random_unit(rng, DIM)) for sid in stayers)}
+        index.refresh()
+        slot = client.keyslot(store.rev_key_of(p))
+        source = primary_of(client, store.rev_key_of(p))
+        target = next(
+            r["address"] for r in cluster.nodes() if "master" in r["flags"] and r["address"] != source
+        )
+        outcomes: collections.Counter[str] = collections.Counter()
+
+        def write_meanwhile() -> None:
+            for sid in (movers[int(rng.integers(0, len(movers)))], stayers[int(rng.integers(0, 20))]):
+                where = "moving" if sid in movers else "other"
+                try:
+                    record = add(store, sid, random_unit(rng, DIM))
+                    live[record.id] = record
+                    outcomes[f"{where} ok"] += 1
+                except RedisUnavailableError:
+                    outcomes[f"{where} 503"] += 1
+            assert len(index.search(random_unit(rng, DIM, 1), 3)[0]) == 3  # reads go on
+
+        migrate_slot(cluster, slot, target, between_batches=write_meanwhile)
+        assert owns(next(r for r in cluster.nodes() if r["address"] == target)["slots"], slot)
+        for sid in movers:  # the moved partition takes writes again
+            record = add(store, sid, random_unit(rng, DIM))
+            live[record.id] = record
+        assert primary_of(client, store.rev_key_of(p)) == target
+        print(f"\nwrites while the slot moved: {dict(outcomes)}")
+        # the other partitions never noticed; the moving one answered 503 or took the write
+        assert outcomes["other ok"] > 0 and outcomes["other 503"] == 0
+        assert outcomes["moving ok"] + outcomes["moving 503"] == outcomes["other ok"]
+        assert store.stats("m1").faces == len(live) and len(index.search(random_unit(rng, DIM, 1), 1)[0]) == 1
+        assert len(index) == len(live)
+        for query in random_unit(rng, DIM, 3):
+            want = brute_force(store, "m1", query, 5)
+            assert [h.subject_id for h in index.search(query[None], 5)[0]] == [sid for sid, _ in want]
         client.close()
     finally:
         cluster.stop()
