@@ -1,9 +1,9 @@
 """``sphereface serve`` and ``sphereface keys``: the service's processes and its Redis.
 
 With ``SPHEREFACE_REDIS_CLUSTER`` (``--redis-cluster``) the gallery lives in that Redis Cluster.
-With neither it nor ``REDIS_URL``, ``serve`` starts a local ``redis-server`` that keeps the gallery in
-``DATA_DIR/redis`` (append-only file, fsync on every write), starts it again when it dies, and
-stops it on exit. On first start with API keys on and none configured, it creates an admin key
+With neither it nor ``REDIS_URL``, ``serve`` starts a local ``redis-server`` that keeps the
+gallery in ``DATA_DIR/redis`` (append-only file, fsync on every write), starts it again when it
+dies, and stops it on exit. On first start with API keys on and none configured, it creates an admin key
 and writes it to ``DATA_DIR/admin.key`` (mode 0600).
 
 One serve per data folder: ``DATA_DIR/serve.lock`` is held for the life of the process (see
@@ -101,9 +101,9 @@ def ensure_admin_key(settings: Settings, client: redis.Redis | RedisCluster) -> 
 @contextmanager
 def served_redis(settings: Settings) -> Iterator[str | None]:
     """The Redis URL of a serve process: ``REDIS_URL`` (None with a Redis Cluster, which the
-    settings name), or a local redis-server that this process
-    starts, watches (started again when it dies: :class:`~service.supervision.RedisWatcher`) and
-    stops on the way out. A server of the data folder that this process did not start is refused
+    settings name), or a local redis-server that this process starts, watches (started again
+    when it dies: :class:`~service.supervision.RedisWatcher`) and stops on the way out. A server
+    of the data folder that this process did not start is refused
     (:class:`~service.errors.RedisSetupError`): it could not be restarted, and would stop when
     its owner, a ``keys`` or ``gallery`` command, ends."""
     if settings.redis_url or settings.redis_cluster:
