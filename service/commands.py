@@ -105,7 +105,7 @@ def _run_keys(args: argparse.Namespace) -> int:
 def _add_gallery(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gallery",
-        help="gallery tools: faces per model, re-embed for another model",
+        help="gallery tools: faces per model, re-embed for another model, copy into a Redis Cluster",
         description="Uses SPHEREFACE_REDIS_CLUSTER or REDIS_URL, else the local Redis of --data-dir "
         "(started for the command when the service is not running).",
     )
@@ -119,7 +119,46 @@ def _add_gallery(sub: argparse._SubParsersAction) -> None:
     reembed.add_argument("--model", default="default", help="the model to embed for (name or folder)")
     reembed.add_argument("--dry-run", action="store_true", help="count what would be done")
     reembed.add_argument("--no-progress", action="store_true")
+    _add_migrate(which)
     p.set_defaults(func=_run_gallery)
+
+
+def _add_migrate(which: argparse._SubParsersAction) -> None:
+    migrate = which.add_parser(
+        "migrate",
+        help="copy this gallery (one Redis) into a Redis Cluster, then check the copy face by face",
+        description="Copies subjects, faces of every model (vectors, regions, stored face images), the "
+        "face sets and the API keys from the gallery's Redis (--redis-url, REDIS_URL, else the local Redis "
+        "of --data-dir) into the partitions of a Redis Cluster. Resumable and idempotent: run it again "
+        "after a stop. Face ids that do not fit their subject's partition get new ids (see --id-map).",
+    )
+    migrate.add_argument(
+        "--to-cluster",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the target cluster (some nodes)",
+    )
+    migrate.add_argument(
+        "--redis-url", default=None, help="the source Redis (default: REDIS_URL, else local)"
+    )
+    migrate.add_argument(
+        "--id-map",
+        default=None,
+        help="CSV of face ids: old_id,new_id,subject_id,model_id (default DATA_DIR/migrated-face-ids.csv)",
+    )
+    migrate.add_argument("--dry-run", action="store_true", help="count what would be copied, write nothing")
+    migrate.add_argument(
+        "--into-nonempty",
+        action="store_true",
+        help="copy into a cluster that holds another gallery's subjects",
+    )
+    migrate.add_argument(
+        "--max-subjects",
+        type=int,
+        default=None,
+        help="stop after copying this many subjects (run again to go on)",
+    )
+    migrate.add_argument("--no-progress", action="store_true")
 
 
 def _run_gallery(args: argparse.Namespace) -> int:
@@ -127,6 +166,8 @@ def _run_gallery(args: argparse.Namespace) -> int:
     from service.main import gallery_client_of
     from service.settings import Settings
 
+    if args.action == "migrate":
+        return _run_migrate(args)
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
     with gallery_client_of(settings) as client:
         store = GalleryStore(
@@ -147,4 +188,40 @@ def _run_gallery(args: argparse.Namespace) -> int:
         embedder = Embedder(resolve_model(args.model), "cpu", batch_size=32)
         report = reembed_gallery(store, embedder, dry_run=args.dry_run, progress=not args.no_progress)
         print(report.summary())
+    return 0
+
+
+def _run_migrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.gallery.migrate import GalleryMigration
+    from service.main import gallery_client_of
+    from service.redis_clients import cluster_client
+    from service.settings import Settings
+
+    overrides = {"data_dir": args.data_dir} if args.data_dir else {}
+    if args.redis_url:
+        overrides["redis_url"] = args.redis_url
+    settings = Settings(**overrides, redis_cluster=None)
+    target_settings = Settings(redis_cluster=args.to_cluster, redis_url=None)
+    target_settings.check_redis()
+    id_map = (
+        Path(args.id_map) if args.id_map else Path(settings.data_dir).expanduser() / "migrated-face-ids.csv"
+    )
+    target = cluster_client(target_settings.cluster_nodes(), max(settings.redis_timeout, 30.0))
+    try:
+        with gallery_client_of(settings) as source:
+            migration = GalleryMigration(
+                source,
+                target,
+                settings.redis_prefix,
+                into_nonempty=args.into_nonempty,
+                max_subjects=args.max_subjects,
+            )
+            report = migration.run(dry_run=args.dry_run, progress=not args.no_progress, id_map=id_map)
+    finally:
+        target.close()
+    print(report.summary())
+    if report.complete and report.faces_renamed:
+        print(f"face ids: {id_map}")
     return 0

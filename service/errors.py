@@ -65,6 +65,8 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "rate_limited": 429,
     "redis_setup_failed": 500,
     "serve_running": 409,  # `sphereface serve` only: another serve holds the data folder
+    "migration_refused": 409,  # `sphereface gallery migrate` only: the source or the cluster is not fit
+    "migration_mismatch": 500,  # `sphereface gallery migrate` only: the copy differs from the source
     "redis_unavailable": 503,
     "overloaded": 503,
 }
@@ -154,6 +156,19 @@ class RedisSetupError(ServiceError):
     cluster that does not answer, or a contradictory choice of Redis."""
 
     code = "redis_setup_failed"
+
+
+class MigrationRefusedError(ServiceError):
+    """``sphereface gallery migrate`` will not start: the source is empty or cannot be reached,
+    or the cluster holds another gallery."""
+
+    code = "migration_refused"
+
+
+class MigrationMismatchError(ServiceError):
+    """``sphereface gallery migrate`` read the copy back and it differs from the source."""
+
+    code = "migration_mismatch"
 
 
 #: Failures of a Redis (or Redis Cluster) that pass: answered 503 ``redis_unavailable``. Besides
