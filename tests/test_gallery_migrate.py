@@ -4,9 +4,12 @@ Cluster (3 primaries, 3 replicas), resumed, run again, checked, and served from 
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -190,6 +193,41 @@ def test_a_stopped_migration_resumes_to_the_same_result_and_a_rerun_changes_noth
     rerun = migrate(source, cluster).run(progress=False)
     assert rerun.complete and rerun.subjects_copied == rerun.faces_copied == rerun.api_keys_copied == 0
     assert gallery_dump(cluster) == resumed  # not a byte changed, streams and marker included
+
+
+def test_a_migration_killed_mid_run_resumes_to_the_same_result(
+    source, redis_server, cluster, redis_cluster, workdir
+) -> None:
+    rng = np.random.default_rng(3)
+    store, subjects = GalleryStore(source), 1200
+    vectors = random_unit(rng, 16, 2 * subjects)
+    items = [(f"s{i // 2:04d}", NewFace(v, embedding_sha256(v))) for i, v in enumerate(vectors)]
+    assert all(not isinstance(r, Exception) for r in store.add_faces_bulk(items, "m1", create_subjects=True))
+    code = "import sys; from models.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", code, "gallery", "--data-dir", str(workdir / "data"), "migrate"]
+    command += ["--to-cluster", redis_cluster.startup_nodes, "--redis-url", redis_server.url, "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("SPHEREFACE_REDIS_CLUSTER", None)
+    run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target = GalleryStore(cluster)
+    deadline = time.monotonic() + 60
+    while target.stats("m1").subjects < 100 and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.kill()
+    _, err = run.communicate()
+    copied = target.stats("m1").subjects
+    assert run.returncode == -signal.SIGKILL, err.decode()
+    assert 100 <= copied < subjects  # killed part way
+    report = migrate(source, cluster).run(progress=False)
+    assert report.complete and report.subjects_copied == subjects - copied
+    resumed = gallery_dump(cluster)
+    redis_cluster.flush()
+    migrate(source, cluster).run(progress=False)
+
+    def without_marker(dump):
+        return {k: v for k, v in dump.items() if not k.startswith("sf:migration:")}
+
+    assert without_marker(gallery_dump(cluster)) == without_marker(resumed)
 
 
 def test_a_corrupted_face_in_the_cluster_fails_the_check(source, cluster, capsys) -> None:

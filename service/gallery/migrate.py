@@ -75,13 +75,13 @@ return 1
 
 def cluster_face_id(face_id: str, partition: int, partitions: int = parts.CLUSTER_PARTITIONS) -> str:
     """The id of a migrated face in ``partition``: its own id when it hashes there, else the first
-    of ``SHA-256(old id:n)`` (24 hex digits, n = 0, 1, ...) that does. A pure function: every run
+    ``BLAKE2b-96(old id:n)`` (24 hex digits, n = 0, 1, ...) that does. A pure function: every run
     gives the same id."""
     if parts.partition_of(face_id, partitions) == partition:
         return face_id
     n = 0
     while True:
-        candidate = hashlib.sha256(f"{face_id}:{n}".encode()).hexdigest()[:24]
+        candidate = hashlib.blake2b(f"{face_id}:{n}".encode(), digest_size=12).hexdigest()
         if parts.partition_of(candidate, partitions) == partition:
             return candidate
         n += 1
