@@ -313,6 +313,10 @@ def test_the_command_migrates_and_refuses_what_is_not_a_cluster(
     # a source that does not answer
     assert cli_main([*base, "--to-cluster", nodes, "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"]) == 2
     assert "error [migration_refused]: the source Redis cannot be reached" in capsys.readouterr().err
+    assert (
+        cli_main([*base, "--to-cluster", nodes, "--redis-url", redis_server.url, "--max-subjects", "0"]) == 2
+    )
+    assert "error [migration_refused]: --max-subjects must be at least 1" in capsys.readouterr().err
     # the dry run, then the migration
     assert cli_main([*base, "--to-cluster", nodes, "--redis-url", redis_server.url, "--dry-run"]) == 0
     assert "would copy 24 of 24 subjects" in capsys.readouterr().out

@@ -184,6 +184,8 @@ class GalleryMigration:
     ) -> None:
         if not isinstance(target, RedisCluster):
             raise MigrationRefusedError("the target of a migration must be a Redis Cluster client")
+        if max_subjects is not None and max_subjects < 1:
+            raise MigrationRefusedError(f"--max-subjects must be at least 1, not {max_subjects}")
         self.source = GalleryStore(source, prefix, partitions=1)
         self.target = GalleryStore(target, prefix)
         self.prefix = prefix
@@ -396,19 +398,35 @@ class GalleryMigration:
     def run(
         self, *, dry_run: bool = False, progress: bool = True, id_map: Path | None = None
     ) -> MigrationReport:
-        """Copy, check and report (see the module docstring). Raises MigrationRefusedError before
-        writing anything, MigrationMismatchError when the copy differs from the source."""
-        from tqdm import tqdm
-
+        """Copy, check and report (see the module docstring); the face ids of the subjects walked
+        go to the CSV ``id_map``. Raises MigrationRefusedError before writing anything,
+        MigrationMismatchError when the copy differs from the source."""
         started = time.perf_counter()
         epoch = self.preflight()
         report = MigrationReport(dry_run=dry_run)
-        problems = self.copy_api_keys(report, dry_run)
+        problems = Problems()
+        problems.add(self.copy_api_keys(report, dry_run))
         if not dry_run:
             self._record(epoch, finished=False)
-        total = self.source.redis.zcard(self.source.subjects_key)
-        rows: list[tuple[str, str, str, str]] = []
-        stopped = False
+        with IdMap(None if dry_run else id_map) as ids:
+            stopped = self._walk(report, problems, ids, dry_run=dry_run, progress=progress)
+        if problems.count:
+            raise problems.error()
+        if not dry_run and not stopped:
+            self._check_totals(report)
+            self._record(epoch, finished=True, report=report)
+            report.complete = True
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _walk(
+        self, report: MigrationReport, problems: Problems, ids: IdMap, *, dry_run: bool, progress: bool
+    ) -> bool:
+        """Copy and check the subjects batch by batch; whether it stopped at ``max_subjects``."""
+        from tqdm import tqdm
+
+        with _redis_errors():
+            total = self.source.redis.zcard(self.source.subjects_key)
         with tqdm(total=total, desc="migrate", unit="subject", disable=not progress) as bar:
             for batch in self.subject_batches():
                 subjects = self._within_limit(self.read_source(batch), report.subjects_copied)
@@ -416,22 +434,13 @@ class GalleryMigration:
                     copied = self._absent(subjects)
                 else:
                     copied = self.write(subjects)
-                    problems += self.check(subjects)
-                self._count(report, subjects, copied, rows)
+                    problems.add(self.check(subjects))
+                self._count(report, subjects, copied)
+                ids.write(subjects)
                 bar.update(len(subjects))
                 if self.max_subjects is not None and report.subjects_copied >= self.max_subjects:
-                    stopped = True
-                    break
-        if problems:
-            raise _mismatch(problems)
-        if not dry_run and not stopped:
-            self._check_totals(report)
-            self._record(epoch, finished=True, report=report)
-            report.complete = True
-        if id_map is not None and not dry_run:
-            write_id_map(id_map, rows)
-        report.seconds = time.perf_counter() - started
-        return report
+                    return True
+        return False
 
     def _within_limit(self, subjects: list[SourceSubject], copied: int) -> list[SourceSubject]:
         """The first subjects of a batch, up to the one that reaches ``max_subjects`` copies."""
@@ -453,10 +462,8 @@ class GalleryMigration:
             return [not int(n) for n in pipe.execute()]
 
     @staticmethod
-    def _count(
-        report: MigrationReport, subjects: Sequence[SourceSubject], copied: Sequence[bool], rows: list
-    ) -> None:
-        """Add a batch to the report, and its faces to the rows of the id file."""
+    def _count(report: MigrationReport, subjects: Sequence[SourceSubject], copied: Sequence[bool]) -> None:
+        """Add a batch to the report."""
         for subject, done in zip(subjects, copied, strict=True):
             report.subjects += 1
             report.subjects_copied += int(done)
@@ -465,7 +472,6 @@ class GalleryMigration:
             for face in subject.faces:
                 report.faces_per_model[face.model_id] = report.faces_per_model.get(face.model_id, 0) + 1
                 report.faces_renamed += int(face.new_id != face.old_id)
-                rows.append((face.old_id, face.new_id, subject.id, face.model_id))
 
     def _check_totals(self, report: MigrationReport) -> None:
         """The subjects and the faces of each model, counted on both sides, must agree (the
@@ -493,7 +499,9 @@ class GalleryMigration:
         if differ(source_subjects, target_subjects):
             problems.append(f"{source_subjects} subjects in the source, {target_subjects} in the cluster")
         if problems:
-            raise _mismatch(problems)
+            found = Problems()
+            found.add(problems)
+            raise found.error()
 
     def _record(self, epoch: bytes, *, finished: bool, report: MigrationReport | None = None) -> None:
         """Note the migration in the cluster: when it started (once) and finished (once)."""
@@ -511,21 +519,48 @@ class GalleryMigration:
                 self.target.redis.hset(key, mapping=mapping)
 
 
-def write_id_map(path: Path, rows: Sequence[tuple[str, str, str, str]]) -> None:
-    """The CSV file of face ids: ``old_id,new_id,subject_id,model_id``, one row per face."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(("old_id", "new_id", "subject_id", "model_id"))
-        out.writerows(rows)
+class IdMap:
+    """The CSV file of face ids, written as the subjects are walked: ``old_id,new_id,subject_id,
+    model_id``, one row per face (nothing when the path is None)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._file = None
+        self._out = None
+
+    def __enter__(self) -> IdMap:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", newline="")
+            self._out = csv.writer(self._file)
+            self._out.writerow(("old_id", "new_id", "subject_id", "model_id"))
+        return self
+
+    def write(self, subjects: Sequence[SourceSubject]) -> None:
+        if self._out is not None:
+            self._out.writerows((f.old_id, f.new_id, s.id, f.model_id) for s in subjects for f in s.faces)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
-def _mismatch(problems: Sequence[str]) -> MigrationMismatchError:
-    shown = "; ".join(problems[:SHOWN_MISMATCHES])
-    more = f" (and {len(problems) - SHOWN_MISMATCHES} more)" if len(problems) > SHOWN_MISMATCHES else ""
-    return MigrationMismatchError(
-        f"the cluster does not match the source in {len(problems)} places: {shown}{more}"
-    )
+class Problems:
+    """Differences found by the checks: counted, the first :data:`SHOWN_MISMATCHES` kept."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.shown: list[str] = []
+
+    def add(self, found: Sequence[str]) -> None:
+        self.count += len(found)
+        self.shown += found[: max(0, SHOWN_MISMATCHES - len(self.shown))]
+
+    def error(self) -> MigrationMismatchError:
+        more = f" (and {self.count - len(self.shown)} more)" if self.count > len(self.shown) else ""
+        return MigrationMismatchError(
+            f"the cluster does not match the source in {self.count} places: {'; '.join(self.shown)}{more}"
+        )
 
 
 def _now() -> str:
