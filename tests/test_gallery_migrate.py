@@ -20,6 +20,7 @@ import redis
 from models.cli import main as cli_main
 from service.auth import authenticate, create_key
 from service.errors import FaceNotFoundError, MigrationMismatchError, MigrationRefusedError
+from service.gallery import migrate as migrate_module
 from service.gallery.face_images import FaceRegion
 from service.gallery.index import LiveIndex
 from service.gallery.migrate import GalleryMigration, cluster_face_id
@@ -171,12 +172,13 @@ def test_migrate_copies_the_whole_gallery_and_every_path_works(source, cluster, 
 
 
 def test_a_stopped_migration_resumes_to_the_same_result_and_a_rerun_changes_nothing(
-    source, cluster, redis_cluster
+    source, cluster, redis_cluster, monkeypatch
 ) -> None:
     make_gallery(source)
     migrate(source, cluster).run(progress=False)
     whole = gallery_dump(cluster)
     redis_cluster.flush()
+    monkeypatch.setattr(migrate_module, "FACES_PER_CHUNK", 4)  # subjects of up to 6 faces: chunks
     partial = migrate(source, cluster, max_subjects=5).run(progress=False)
     assert not partial.complete and partial.subjects_copied == 5
     assert GalleryStore(cluster).stats("m1").subjects == 5

@@ -40,8 +40,11 @@ from service.errors import MigrationMismatchError, MigrationRefusedError
 from service.gallery import partitions as parts
 from service.gallery.store import STREAM_MAXLEN, GalleryStore, _redis_errors
 
-#: Subjects read, written and checked per round trip.
+#: Subjects read, written and checked per round trip (at most).
 BATCH = 100
+#: Faces per round trip: a batch whose subjects have more is cut into chunks of about this many
+#: (a subject with more faces is a chunk of its own); bounds the memory of a run.
+FACES_PER_CHUNK = 1000
 #: Mismatches named in the error (all are counted).
 SHOWN_MISMATCHES = 10
 
@@ -118,6 +121,16 @@ class SourceFace:
 
     def checksum(self) -> str:
         return face_checksum(self.fields, True, self.photo_key_is_own)
+
+
+@dataclass
+class Head:
+    """A subject's record, creation score and face ids, read before its faces."""
+
+    id: str
+    fields: dict[bytes, bytes]
+    score: float
+    face_ids: list[str]
 
 
 @dataclass
@@ -241,9 +254,24 @@ class GalleryMigration:
         if batch:
             yield batch
 
-    def read_source(self, subject_ids: Sequence[str]) -> list[SourceSubject]:
-        """Subjects with every field of their faces, in two pipelined round trips (a subject
-        deleted meanwhile is left out)."""
+    def source_chunks(self) -> Iterator[list[SourceSubject]]:
+        """The source's subjects with their faces, in chunks of at most :data:`BATCH` subjects
+        and about :data:`FACES_PER_CHUNK` faces (a subject is never split)."""
+        for batch in self.subject_batches():
+            chunk: list[Head] = []
+            faces = 0
+            for head in self.read_heads(batch):
+                if chunk and faces + len(head.face_ids) > FACES_PER_CHUNK:
+                    yield self.read_faces(chunk)
+                    chunk, faces = [], 0
+                chunk.append(head)
+                faces += len(head.face_ids)
+            if chunk:
+                yield self.read_faces(chunk)
+
+    def read_heads(self, subject_ids: Sequence[str]) -> list[Head]:
+        """Subjects' records, creation scores and face ids, in one pipelined round trip (a
+        subject deleted meanwhile is left out)."""
         src = self.source
         with _redis_errors():
             pipe = src.redis.pipeline(transaction=False)
@@ -252,22 +280,27 @@ class GalleryMigration:
                 pipe.zscore(src.subjects_key, sid)
                 pipe.smembers(src.subject_faces_key(sid))
             replies = pipe.execute()
-            found = [
-                (sid, record, score, sorted(f.decode() for f in faces))
-                for sid, record, score, faces in zip(
-                    subject_ids, replies[0::3], replies[1::3], replies[2::3], strict=True
-                )
-                if record
-            ]
-            pipe = src.redis.pipeline(transaction=False)
-            for _, _, _, face_ids in found:
-                for fid in face_ids:
-                    pipe.hgetall(src.face_key(fid))
+        return [
+            Head(sid, record, float(score or 0.0), sorted(f.decode() for f in faces))
+            for sid, record, score, faces in zip(
+                subject_ids, replies[0::3], replies[1::3], replies[2::3], strict=True
+            )
+            if record
+        ]
+
+    def read_faces(self, heads: Sequence[Head]) -> list[SourceSubject]:
+        """The subjects of ``heads`` with every field of their faces (one pipelined round trip),
+        and which faces their photo keys name (another)."""
+        with _redis_errors():
+            pipe = self.source.redis.pipeline(transaction=False)
+            for head in heads:
+                for fid in head.face_ids:
+                    pipe.hgetall(self.source.face_key(fid))
             records = iter(pipe.execute())
         subjects = []
-        for sid, record, score, face_ids in found:
-            fields = [(fid, next(records)) for fid in face_ids]
-            subjects.append(SourceSubject(sid, record, float(score or 0.0), self._faces(sid, fields)))
+        for head in heads:
+            fields = [(fid, next(records)) for fid in head.face_ids]
+            subjects.append(SourceSubject(head.id, head.fields, head.score, self._faces(head.id, fields)))
         self._mark_photo_keys(subjects)
         return subjects
 
@@ -428,8 +461,8 @@ class GalleryMigration:
         with _redis_errors():
             total = self.source.redis.zcard(self.source.subjects_key)
         with tqdm(total=total, desc="migrate", unit="subject", disable=not progress) as bar:
-            for batch in self.subject_batches():
-                subjects = self._within_limit(self.read_source(batch), report.subjects_copied)
+            for chunk in self.source_chunks():
+                subjects = self._within_limit(chunk, report.subjects_copied)
                 if dry_run:
                     copied = self._absent(subjects)
                 else:
