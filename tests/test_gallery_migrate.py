@@ -114,8 +114,13 @@ def test_face_ids_fit_their_partition_and_are_the_same_every_time() -> None:
 
 def test_migrate_copies_the_whole_gallery_and_every_path_works(source, cluster, tmp_path) -> None:
     keys = make_gallery(source)
-    report = migrate(source, cluster).run(progress=False, id_map=tmp_path / "ids.csv")
     src, dst = GalleryStore(source), GalleryStore(cluster)
+    running = {m: LiveIndex(dst, m, dim) for m, dim in MODELS.items()}  # a pod already on the cluster
+    assert all(
+        len(index.search(random_unit(np.random.default_rng(1), MODELS[m]), 1)[0]) == 0
+        for m, index in running.items()
+    )
+    report = migrate(source, cluster).run(progress=False, id_map=tmp_path / "ids.csv")
     assert report.complete and report.subjects == report.subjects_copied == SUBJECTS
     assert report.faces_per_model == src.faces_per_model() == dst.faces_per_model()
     assert report.api_keys == report.api_keys_copied == 2
@@ -158,6 +163,8 @@ def test_migrate_copies_the_whole_gallery_and_every_path_works(source, cluster, 
         queries = random_unit(rng, dim, 8)
         before = LiveIndex(src, model_id, dim).search(queries, 5)
         after = LiveIndex(dst, model_id, dim).search(queries, 5)
+        assert running[model_id].search(queries, 5) == after  # from the change streams
+        assert running[model_id].full_reloads == 1  # the load of the empty cluster only
         for a, b in zip(before, after, strict=True):
             assert [(h.subject_id, new_id[h.face_id]) for h in a] == [(h.subject_id, h.face_id) for h in b]
             np.testing.assert_allclose([h.score for h in a], [h.score for h in b], rtol=1e-6)
