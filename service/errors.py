@@ -66,7 +66,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "redis_setup_failed": 500,
     "serve_running": 409,  # `sphereface serve` only: another serve holds the data folder
     "migration_refused": 409,  # `sphereface gallery migrate` only: the source or the cluster is not fit
-    "migration_mismatch": 500,  # `sphereface gallery migrate` only: the copy differs from the source
+    "migration_mismatch": 409,  # `sphereface gallery migrate` only: the copy differs from the source
     "redis_unavailable": 503,
     "overloaded": 503,
 }
