@@ -36,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_model  # noqa: E402
 from models.image import decode_image  # noqa: E402
 from models.mtcnn import MTCNNDetector, select_faces  # noqa: E402
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv or sys.argv[1:])]),
         "env": {
             "cpu": platform.processor() or platform.machine(),
-            "cpu_model": _cpu_model(),
+            "cpu_model": cpu_model(),
             "logical_cpus": os.cpu_count(),
             "loadavg_start": list(os.getloadavg()),
         },
@@ -220,16 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def print_report(result: dict[str, Any]) -> None:

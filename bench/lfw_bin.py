@@ -15,7 +15,6 @@ is what ``make bench-lfw-bin`` runs; the equivalent commands are
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,23 +27,13 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 
+from bench.machine import cpu_model  # noqa: E402
 from training.evaluation.bin_eval import embed_bin, score_pairs  # noqa: E402
 from training.evaluation.bin_sets import lfw_bin, read_bin, write_bin  # noqa: E402
 from training.evaluation.lfw import run_lfw_evaluation  # noqa: E402
 from training.evaluation.lfw_files import pair_features, read_pairs  # noqa: E402
 from training.evaluation.report import write_json  # noqa: E402
 from training.evaluation.verification import unit_rows  # noqa: E402
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def build(data: Path, out: Path, landmarks: str, pairs_per_fold: int | None) -> dict[str, Any]:

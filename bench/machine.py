@@ -52,6 +52,17 @@ class CpuWatch:
         return {"wall_s": wall, "other_processes_cpu_s": others, "other_processes_cores": others / wall}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     cpu = "unknown"
     flags: list[str] = []
