@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,39 +44,144 @@ def distractor_sizes(available: int, requested: Sequence[int] | None = None) -> 
 
 @dataclass
 class _Variant:
-    """The state of one variant (raw or cleaned) of the search while distractors stream past."""
+    """The state of one variant (raw or cleaned) of the search while distractors stream past.
 
+    ``top`` and ``pool`` live where ``ops`` computes (numpy on the CPU, torch tensors on a GPU);
+    only the snapshots come back as numpy arrays.
+    """
+
+    ops: _NumpyOps
     rows: np.ndarray  # probe rows taking part
     top_k: int
     budget: int  # impostor scores to keep: floor(max FAR * rows * largest size) + 1
-    top: np.ndarray = field(init=False)
-    pool: list[np.ndarray] = field(default_factory=list)
+    top: Any = field(init=False)
+    pool: list[Any] = field(default_factory=list)
     pool_size: int = 0
     pool_floor: float = -math.inf
     snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.top = np.full((len(self.rows), self.top_k), -np.inf, dtype=np.float32)
+        self.top = self.ops.blank_top(len(self.rows), self.top_k)
 
-    def consume(self, scores: np.ndarray) -> None:
-        self.top = merge_top_k(self.top, scores)
+    def consume(self, scores: Any) -> None:
+        self.top = self.ops.merge_top_k(self.top, scores)
         if self.budget <= 0:
             return
-        kept = scores[scores > self.pool_floor] if self.pool_floor > -math.inf else scores.ravel().copy()
-        if kept.size:
+        kept = self.ops.above(scores, self.pool_floor)
+        if len(kept):
             self.pool.append(kept)
-            self.pool_size += kept.size
+            self.pool_size += len(kept)
         if self.pool_size > 2 * self.budget:
-            merged = np.concatenate(self.pool)
-            best = np.partition(merged, merged.size - self.budget)[merged.size - self.budget :]
-            self.pool, self.pool_size, self.pool_floor = [best], best.size, float(best.min())
+            best = self.ops.largest(self.ops.concat(self.pool), self.budget)
+            self.pool, self.pool_size, self.pool_floor = [best], len(best), float(best.min())
 
     def snapshot(self, size: int) -> None:
-        pool = np.concatenate(self.pool) if self.pool else np.empty(0, np.float32)
-        if pool.size > self.budget:
-            pool = np.partition(pool, pool.size - self.budget)[pool.size - self.budget :]
-        self.pool, self.pool_size = [pool], pool.size
-        self.snapshots[size] = (self.top.copy(), np.sort(pool)[::-1])
+        pool = self.ops.concat(self.pool)
+        if len(pool) > self.budget:
+            pool = self.ops.largest(pool, self.budget)
+        self.pool, self.pool_size = [pool], len(pool)
+        self.snapshots[size] = (self.ops.numpy(self.top), self.ops.numpy(self.ops.descending(pool)))
+
+
+class _NumpyOps:
+    """The search's arithmetic with numpy (BLAS) on the CPU."""
+
+    def __init__(self, probes: np.ndarray) -> None:
+        self.probes = probes
+
+    @contextmanager
+    def exact(self) -> Iterator[None]:
+        yield
+
+    def scores(self, block: np.ndarray) -> np.ndarray:
+        """``probes @ block.T``: ``(P, C)``."""
+        return self.probes @ block.T
+
+    def blank_top(self, rows: int, k: int) -> np.ndarray:
+        return np.full((rows, k), -np.inf, dtype=np.float32)
+
+    def merge_top_k(self, top: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        return merge_top_k(top, scores)
+
+    def above(self, scores: np.ndarray, floor: float) -> np.ndarray:
+        """The scores above ``floor``, flattened (a copy)."""
+        return scores[scores > floor] if floor > -math.inf else scores.ravel().copy()
+
+    def largest(self, values: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` largest of 1-D ``values``, in no order."""
+        return np.partition(values, len(values) - n)[len(values) - n :]
+
+    def concat(self, parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.empty(0, np.float32)
+
+    def descending(self, values: np.ndarray) -> np.ndarray:
+        return np.sort(values)[::-1]
+
+    def take_rows(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """A copy of ``scores[rows]`` (all rows when ``rows`` is every row)."""
+        return scores[rows] if len(rows) < len(scores) else scores.copy()
+
+    def blank_columns(self, scores: np.ndarray, columns: np.ndarray) -> None:
+        scores[:, columns] = -np.inf
+
+    def numpy(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+
+class _TorchOps(_NumpyOps):
+    """The same arithmetic in torch on ``device``: scores, top-k and the impostor pool stay there,
+    so a GPU search moves each distractor chunk in and only the snapshots out."""
+
+    def __init__(self, probes: np.ndarray, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.probes = torch.from_numpy(probes).to(self.device)
+
+    @contextmanager
+    def exact(self) -> Iterator[None]:
+        """Full fp32 products (no TF32), whatever the process set, so scores match numpy's."""
+        torch = self.torch
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    def scores(self, block: np.ndarray) -> Any:
+        return self.probes @ self.torch.from_numpy(block).to(self.device).T
+
+    def blank_top(self, rows: int, k: int) -> Any:
+        return self.torch.full((rows, k), -math.inf, dtype=self.torch.float32, device=self.device)
+
+    def merge_top_k(self, top: Any, scores: Any) -> Any:
+        return self.torch.topk(self.torch.cat([top, scores], dim=1), top.shape[1], dim=1).values
+
+    def above(self, scores: Any, floor: float) -> Any:
+        return scores[scores > floor] if floor > -math.inf else scores.reshape(-1).clone()
+
+    def largest(self, values: Any, n: int) -> Any:
+        return self.torch.topk(values, n, sorted=False).values
+
+    def concat(self, parts: list[Any]) -> Any:
+        return self.torch.cat(parts) if parts else self.torch.empty(0, device=self.device)
+
+    def descending(self, values: Any) -> Any:
+        return self.torch.sort(values, descending=True).values
+
+    def take_rows(self, scores: Any, rows: np.ndarray) -> Any:
+        if len(rows) < len(scores):
+            return scores[self.torch.from_numpy(rows).to(self.device)]
+        return scores.clone()
+
+    def blank_columns(self, scores: Any, columns: np.ndarray) -> None:
+        scores[:, self.torch.from_numpy(columns).to(self.device)] = -math.inf
+
+    def numpy(self, values: Any) -> np.ndarray:
+        return values.cpu().numpy()
 
 
 def merge_top_k(top: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -138,10 +245,11 @@ def search_distractors(
     largest = max(sizes) if sizes else 0
     cleaned = removed_probes is not None or removed_distractors is not None
     all_rows = np.arange(n_probes)
-    variants = {"raw": _Variant(all_rows, top_k, math.floor(max_far * n_probes * largest) + 1)}
+    ops = _make_ops(probes, device)
+    variants = {"raw": _Variant(ops, all_rows, top_k, math.floor(max_far * n_probes * largest) + 1)}
     if cleaned:
         kept = all_rows if removed_probes is None else np.flatnonzero(~removed_probes)
-        variants["cleaned"] = _Variant(kept, top_k, math.floor(max_far * len(kept) * largest) + 1)
+        variants["cleaned"] = _Variant(ops, kept, top_k, math.floor(max_far * len(kept) * largest) + 1)
     for size in sizes:
         if size == 0:
             for v in variants.values():
@@ -149,29 +257,29 @@ def search_distractors(
     chunk = max(256, int(chunk_mb * 2**20 / (4 * max(n_probes, 1) * (2 if cleaned else 1))))
     stops = sorted({0, *[s for s in sizes if s > 0]})
     bounds = sorted({*range(0, largest, chunk), *stops, largest})
-    scorer = _make_scorer(probes, device)
     bar = None
     if progress and largest:
         from tqdm import tqdm
 
         bar = tqdm(total=largest, desc="search distractors", unit="img", unit_scale=True, dynamic_ncols=True)
     try:
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            idx = np.sort(order[a:b])
-            block = np.ascontiguousarray(distractors[idx], dtype=np.float32)
-            scores = scorer(block)
-            variants["raw"].consume(scores)
-            if cleaned:
-                v = variants["cleaned"]
-                part = scores[v.rows] if len(v.rows) < n_probes else scores.copy()
-                if removed_distractors is not None:
-                    part[:, removed_distractors[idx]] = -np.inf
-                v.consume(part)
-            if b in stops:
-                for v in variants.values():
-                    v.snapshot(b)
-            if bar is not None:
-                bar.update(b - a)
+        with ops.exact():
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                idx = np.sort(order[a:b])
+                block = np.ascontiguousarray(distractors[idx], dtype=np.float32)
+                scores = ops.scores(block)
+                variants["raw"].consume(scores)
+                if cleaned:
+                    v = variants["cleaned"]
+                    part = ops.take_rows(scores, v.rows)
+                    if removed_distractors is not None:
+                        ops.blank_columns(part, removed_distractors[idx])
+                    v.consume(part)
+                if b in stops:
+                    for v in variants.values():
+                        v.snapshot(b)
+                if bar is not None:
+                    bar.update(b - a)
     finally:
         if bar is not None:
             bar.close()
@@ -184,24 +292,17 @@ def search_distractors(
     )
 
 
-def _make_scorer(probes: np.ndarray, device: str) -> Callable[[np.ndarray], np.ndarray]:
-    """``block (C, D) -> probes @ block.T (P, C)`` with numpy (BLAS) or torch on ``device``."""
+def _make_ops(probes: np.ndarray, device: str) -> _NumpyOps:
+    """numpy on the CPU (``cpu``), else torch on ``device`` (``torch-cpu``: torch on the CPU, for tests)."""
     if device == "cpu":
-        return lambda block: probes @ block.T
+        return _NumpyOps(probes)
     try:
         import torch
     except ImportError as exc:
         raise MegaFaceDataError(f"--device {device} needs torch (pip install -e '.[train]')") from exc
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise MegaFaceDataError(f"--device {device}: torch sees no CUDA device")
-    device = "cpu" if device == "torch-cpu" else device  # the torch path on the CPU (tests)
-    on_device = torch.from_numpy(probes).to(device)
-
-    def score(block: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return (on_device @ torch.from_numpy(block).to(device).T).cpu().numpy()
-
-    return score
+    return _TorchOps(probes, "cpu" if device == "torch-cpu" else device)
 
 
 # --------------------------------------------------------------------------------------------
