@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.gpu_common import FULL, TINY, Check, Row, Sizes, Skip  # noqa: E402
+from bench.gpu_long import long_section  # noqa: E402
 from bench.gpu_pack import read_pack  # noqa: E402
 from bench.gpu_speed import compile_section, floor_section, megaface_section, throughput_section  # noqa: E402
 from bench.gpu_train import environment, export_section, inference_section, train_section  # noqa: E402
@@ -69,7 +70,10 @@ SECTIONS: dict[str, Section] = {
     "inference": inference_section,
     "megaface": megaface_section,
     "compile": compile_section,
+    "long": long_section,
 }
+#: Sections that run only when ``--sections`` names them.
+OPT_IN = ("long",)
 #: Seconds past a section's hard limit (its budget and a half) before it is stopped.
 ALARM_GRACE_S = 5.0
 JSON_NAME = "gpu_check.json"
@@ -186,10 +190,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget", type=float, default=None, help="seconds for all sections (450 full, 240 tiny)"
     )
     sections_help = (
-        f"comma-separated, from: {', '.join(SECTIONS)} (default: all; all but compile on tiny); "
+        f"comma-separated, from: {', '.join(SECTIONS)} (default: all but long, and but compile on tiny); "
         "environment always runs"
     )
     ap.add_argument("--sections", default=None, help=sections_help)
+    ap.add_argument(
+        "--long-set", action="append", default=[], metavar="KEY=VALUE",
+        help="override the long run's config (repeatable), e.g. lr=0.025",
+    )  # fmt: skip
     ap.add_argument(
         "--work", default=None, help="scratch folder (default: a temporary one, removed at the end)"
     )
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(wanted)
     sizes = _sizes(args, device)
     budget = args.budget if args.budget is not None else (450.0 if sizes is FULL else 240.0)
-    default = [s for s in SECTIONS if sizes is FULL or s != "compile"]
+    default = [s for s in SECTIONS if (sizes is FULL or s != "compile") and s not in OPT_IN]
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else default
     chosen = ["environment", *chosen]  # every other section reads the pack it decodes
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(Path(args.out), header)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         work = Path(args.work) if args.work else Path(scratch)
-        check = Check(device, sizes, pack, work, time.perf_counter() + budget)
+        check = Check(device, sizes, pack, work, time.perf_counter() + budget, out=Path(args.out))
+        check.long_set = args.long_set
         run(check, report, chosen)
     report.write()
     print(report.table(), flush=True)

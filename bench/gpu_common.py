@@ -37,6 +37,8 @@ class Sizes:
     matmul_size: int
     #: Seconds each section may take at most (it is skipped when less than this is left).
     budgets: dict[str, float]
+    #: Steps of the opt-in ``long`` section (the papers' recipe to convergence).
+    long_steps: int = 0
 
 
 def _usable_cpus() -> int:
@@ -50,8 +52,9 @@ FULL = Sizes(
     megaface_dim=512, matmul_size=8192,
     budgets={
         "environment": 20, "train": 110, "export": 60, "throughput": 100, "floor": 10, "inference": 30,
-        "megaface": 100, "compile": 90,
+        "megaface": 100, "compile": 90, "long": 240,
     },
+    long_steps=8000,
 )  # fmt: skip
 
 TINY = Sizes(
@@ -60,8 +63,9 @@ TINY = Sizes(
     megaface_distractors=20_000, megaface_probes=200, megaface_dim=512, matmul_size=512,
     budgets={
         "environment": 10, "train": 40, "export": 40, "throughput": 30, "floor": 5, "inference": 10,
-        "megaface": 20, "compile": 60,
+        "megaface": 20, "compile": 60, "long": 60,
     },
+    long_steps=4,
 )  # fmt: skip
 
 
@@ -87,7 +91,11 @@ class Check:
     pack: Pack
     work: Path
     deadline: float  #: ``time.perf_counter()`` by which every section must have ended
+    #: Where files that come back go (``--out``), beside the JSON and the table.
+    out: Path | None = None
     prepared: Path | None = None
+    #: ``key=value`` overrides of the ``long`` section's config (``--long-set``).
+    long_set: list[str] = field(default_factory=list)
     #: What later sections read from earlier ones (checkpoint, model folder, measured rates).
     found: dict[str, Any] = field(default_factory=dict)
 

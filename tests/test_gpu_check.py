@@ -11,12 +11,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from bench import gpu_check
 from bench.gpu_common import TINY, Check, Row
 from bench.gpu_pack import decode, read_pack, synthetic_faces, unpack, write_pack
 from bench.gpu_speed import hooked_macs, sphereface_macs
 from tests.conftest import REPO_ROOT
+from training.export import export_checkpoint
 
 
 def test_the_flop_count_of_sphereface20_is_counted_by_hand_and_matches_the_built_network():
@@ -96,7 +98,8 @@ def test_the_whole_check_runs_tiny_on_the_cpu_and_ends_with_its_table(tiny_pack,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.lstrip().startswith("| check | status | s | result |")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [s["section"] for s in report["sections"]] == [s for s in gpu_check.SECTIONS if s != "compile"]
+    default = [s for s in gpu_check.SECTIONS if s not in ("compile", *gpu_check.OPT_IN)]
+    assert [s["section"] for s in report["sections"]] == default
     statuses = {row["label"]: row["status"] for s in report["sections"] for row in s["rows"]}
     assert set(statuses.values()) <= {"ok", "n/a"}, statuses
     rows = {row["label"]: row["result"] for s in report["sections"] for row in s["rows"]}
@@ -108,6 +111,34 @@ def test_the_whole_check_runs_tiny_on_the_cpu_and_ends_with_its_table(tiny_pack,
     ):  # fmt: skip
         assert label in rows
     assert (tmp_path / "gpu_check.md").read_text().startswith("| check |")
+
+
+def test_the_long_run_sends_its_weights_home_in_parts_that_export_reads(tiny_pack, tmp_path, monkeypatch):
+    from bench import gpu_long, gpu_long_import
+
+    monkeypatch.setattr(gpu_long, "PART_BYTES", 100_000)  # several parts from a tiny network
+    argv = ["--device", "cpu", "--pack", str(tiny_pack), "--out", str(tmp_path), "--sections", "long"]
+    assert gpu_check.main(argv) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    long = next(s for s in report["sections"] if s["section"] == "long")
+    assert long["status"] == "ok" and len(long["details"]["parts"]) >= 2
+    assert len(long["details"]["curve"]["loss"]) == TINY.long_steps
+    state = gpu_long_import.read_parts(tmp_path)
+    checkpoint = gpu_long_import.to_checkpoint(state)
+    assert checkpoint["step"] == TINY.long_steps and state["travelled_as"] == "fp16"
+    assert all(v.dtype != torch.float16 for v in checkpoint["net"].values())
+    saved = _saved(checkpoint, tmp_path / "run")
+    _, report = export_checkpoint(saved, tmp_path / "model", progress=False)
+    assert report["onnx_parity_max_abs_diff"] < 1e-3 and (tmp_path / "model" / "model.onnx").is_file()
+    (tmp_path / f"{gpu_long.PART_PREFIX}1").unlink()
+    with pytest.raises(SystemExit, match="are not 0.."):
+        gpu_long_import.read_parts(tmp_path)
+
+
+def _saved(checkpoint, folder):
+    folder.mkdir()
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    return folder / "checkpoint.pt"
 
 
 def test_sections_that_do_not_fit_the_budget_are_skipped_and_the_table_still_prints(
