@@ -30,6 +30,7 @@ from service.errors import (
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
+from service.gallery.writes import WritePolicy
 from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
@@ -137,7 +138,10 @@ def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis | RedisClus
     app.state.redis = client
     app.state.redis_probe = gallery_client(settings, min(0.5, settings.redis_timeout / 2))
     app.state.store = store = GalleryStore(
-        client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+        client,
+        settings.redis_prefix,
+        max_faces_per_subject=settings.max_faces_per_subject,
+        policy=WritePolicy.from_settings(settings),
     )
     app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
     try:

@@ -163,6 +163,7 @@ def _add_migrate(which: argparse._SubParsersAction) -> None:
 
 def _run_gallery(args: argparse.Namespace) -> int:
     from service.gallery.store import GalleryStore
+    from service.gallery.writes import WritePolicy
     from service.main import gallery_client_of
     from service.settings import Settings
 
@@ -171,7 +172,10 @@ def _run_gallery(args: argparse.Namespace) -> int:
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
     with gallery_client_of(settings) as client:
         store = GalleryStore(
-            client, settings.redis_prefix, max_faces_per_subject=settings.max_faces_per_subject
+            client,
+            settings.redis_prefix,
+            max_faces_per_subject=settings.max_faces_per_subject,
+            policy=WritePolicy.from_settings(settings),
         )
         store.ensure_schema()
         if args.action == "models":

@@ -68,6 +68,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "migration_refused": 409,  # `sphereface gallery migrate` only: the source or the cluster is not fit
     "migration_mismatch": 409,  # `sphereface gallery migrate` only: the copy differs from the source
     "redis_unavailable": 503,
+    "not_replicated": 503,
     "overloaded": 503,
 }
 
@@ -149,6 +150,24 @@ class TooManyPhotosError(ServiceError):
 
 class RedisUnavailableError(ServiceError):
     code = "redis_unavailable"
+
+
+class NotReplicatedError(ServiceError):
+    """A gallery write that the Redis primary applied but fewer replicas than required confirmed
+    in time (``WAIT``): it is not acknowledged."""
+
+    code = "not_replicated"
+
+    @classmethod
+    def of(cls, acknowledged: int, required: int, wait_ms: int) -> NotReplicatedError:
+        log.warning("a gallery write reached %d of %d replicas within %d ms", acknowledged, required, wait_ms)
+        return cls(
+            f"the gallery's Redis confirmed this change on {acknowledged} of the {required} replicas "
+            f"required within {wait_ms} ms, so it is not acknowledged: it may or may not be kept. "
+            "Retrying is safe: a repeated enrollment of the same photo answers duplicate_photo with "
+            "the face it made, a repeated subject creation subject_exists, a repeated deletion "
+            "face_not_found or subject_not_found"
+        )
 
 
 class RedisSetupError(ServiceError):

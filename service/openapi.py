@@ -27,7 +27,8 @@ ERROR_WORDS = {
     413: "The request is too large (request_too_large, image_too_large, too_many_photos)",
     422: "The request could not be read or is not valid (invalid_request, and the face-path codes)",
     429: "The key made more requests than its scope's rate limit allows (rate_limited, with Retry-After)",
-    503: "Redis does not answer (redis_unavailable), or the face path is full (overloaded, with Retry-After)",
+    503: "Redis does not answer (redis_unavailable), a gallery write reached too few replicas "
+    "(not_replicated), or the face path is full (overloaded, with Retry-After)",
 }
 METHODS = ("get", "post", "put", "patch", "delete")
 

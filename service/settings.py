@@ -68,6 +68,29 @@ class Settings(BaseSettings):
         description="seconds to wait for Redis to connect or answer one command; a stalled Redis then "
         "makes keyed requests answer 503 redis_unavailable (and /readyz within half of it, at most 0.5 s)",
     )
+    redis_wait_replicas: int | None = Field(
+        None,
+        ge=0,
+        le=16,
+        description="replicas that must confirm a gallery write (Redis WAIT on the node that took it) "
+        "before it is acknowledged; fewer within redis_wait_ms answer 503 not_replicated. Unset: 1 "
+        "when the Redis (on a cluster: any primary) has a replica, else 0; 0: off",
+    )
+    redis_wait_ms: int = Field(
+        500,
+        gt=0,
+        le=60_000,
+        description="milliseconds a write waits for redis_wait_replicas replicas, at most half of "
+        "redis_timeout (a longer WAIT would be taken for a stalled Redis)",
+    )
+    redis_retry_seconds: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="on a Redis Cluster, how long the gallery's reads and writes are retried (with "
+        "back-off) while a slot migrates (MOVED, ASK, TRYAGAIN) or a failover runs (CLUSTERDOWN, a "
+        "lost primary) before they answer 503 redis_unavailable; 0: not retried",
+    )
     search: Literal["numpy", "redis"] = Field(
         "numpy", description="identification search: in-process numpy (exact) or Redis Query Engine KNN"
     )

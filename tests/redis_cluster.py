@@ -3,8 +3,10 @@
 :class:`LocalCluster` starts six servers on free loopback ports (cluster mode, a short node
 timeout, no persistence) in a temporary folder of its own, joins them with
 ``redis-cli --cluster create --cluster-replicas 1``, waits until every node reports
-``cluster_state:ok`` with all 16384 slots covered, and stops every server it started (also at
-interpreter exit, and when Linux sees this process die: each server gets a parent-death signal).
+``cluster_state:ok`` with all 16384 slots covered and every replica has synced, and stops every
+server it started (also at interpreter exit, and when Linux sees this process die: each server
+gets a parent-death signal). :meth:`LocalCluster.add_node` and :meth:`LocalCluster.rebalance`
+grow it.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LocalCluster:
                 self._wait_ping(port, timeout)
             self._create()
             self._wait_ok(timeout)
+            self._wait_synced(timeout)
         except BaseException:
             self.stop()
             raise
@@ -92,7 +95,7 @@ class LocalCluster:
             self.server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no",
-            "--logfile", "redis.log", "--daemonize", "no",
+            "--logfile", "redis.log", "--daemonize", "no", "--repl-diskless-sync-delay", "0",
         ]
         # fmt: on
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -136,6 +139,15 @@ class LocalCluster:
         while not all(self._node_ok(port) and len(self.nodes(port)) == 6 for port in self.ports):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def _wait_synced(self, timeout: float) -> None:
+        """Until every replica has finished its first sync (WAIT counts only synced replicas)."""
+        deadline = time.monotonic() + timeout
+        replicas = [int(r["address"].rsplit(":", 1)[1]) for r in self.nodes() if "slave" in r["flags"]]
+        while not all(self._synced(port) for port in replicas):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replicas did not finish their first sync")
             time.sleep(0.05)
 
     def nodes(self, port: int | None = None) -> list[dict[str, str]]:
@@ -205,6 +217,50 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not come back to cluster_state:ok")
             time.sleep(0.05)
+
+    def add_node(self, replica_of: str | None = None, timeout: float = 30.0) -> str:
+        """Start one more server and join it (``redis-cli --cluster add-node``): as a replica of
+        the primary at ``replica_of`` (``host:port``), synced with it, or as a primary without
+        slots (:meth:`rebalance` gives it some). Returns its ``host:port``."""
+        port = _free_port(set(self.ports) | {p + 10000 for p in self.ports})
+        self.ports.append(port)
+        self.processes.append(self._spawn(port))
+        self._wait_ping(port, timeout)
+        address = f"127.0.0.1:{port}"
+        known = f"127.0.0.1:{self.alive_ports()[0]}"
+        args = [self.cli, "--cluster", "add-node", address, known]
+        if replica_of is not None:
+            primary = next(row["id"] for row in self.nodes() if row["address"] == replica_of)
+            args += ["--cluster-slave", "--cluster-master-id", primary]
+        self._cli(args)
+        deadline = time.monotonic() + timeout
+        alive = self.alive_ports()
+        while (
+            not all(any(r["address"] == address for r in self.nodes(p)) for p in alive)
+            or not self._node_ok(port)
+            or (replica_of is not None and not self._synced(port))
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the new node {address} did not join")
+            time.sleep(0.05)
+        return address
+
+    def _synced(self, port: int) -> bool:
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as client:
+            info = client.info("replication")
+        return info.get("master_link_status") == "up" and not info.get("master_sync_in_progress")
+
+    def rebalance(self) -> str:
+        """``redis-cli --cluster rebalance --cluster-use-empty-masters``: slots move to primaries
+        that have none, slot by slot, keys and all; returns its output."""
+        known = f"127.0.0.1:{self.alive_ports()[0]}"
+        return self._cli([self.cli, "--cluster", "rebalance", known, "--cluster-use-empty-masters"])
+
+    def _cli(self, args: list[str]) -> str:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args[1:3])} failed:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
 
     def stop(self) -> None:
         for process in self.processes:

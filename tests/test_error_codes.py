@@ -74,7 +74,8 @@ def test_every_class_has_its_own_code_and_the_table_no_stale_one(errors):
 
 def test_the_statuses_are_http_error_statuses():
     assert all(400 <= status <= 599 for status in HTTP_STATUS_BY_CODE.values())
-    assert {c for c, s in HTTP_STATUS_BY_CODE.items() if s == 503} == {"redis_unavailable", "overloaded"}
+    unavailable = {c for c, s in HTTP_STATUS_BY_CODE.items() if s == 503}
+    assert unavailable == {"redis_unavailable", "not_replicated", "overloaded"}
 
 
 def test_no_error_below_the_service_knows_http(modules, errors):

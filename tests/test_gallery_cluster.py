@@ -14,6 +14,7 @@ from service.errors import RedisUnavailableError
 from service.gallery.index import LiveIndex
 from service.gallery.partitions import CLUSTER_PARTITIONS, partition_tags
 from service.gallery.store import FaceRecord, GalleryStore
+from service.gallery.writes import WritePolicy
 from tests.gallery_vectors import emb_face, random_unit
 from tests.redis_cluster import LocalCluster, migrate_slot, owns
 
@@ -277,11 +278,14 @@ def test_a_photo_is_refused_twice_within_a_partition(store) -> None:
 
 def test_the_gallery_survives_the_crash_of_a_primary(redis_binary) -> None:
     """A primary is killed: while its replica takes over, requests fail as 503 redis_unavailable
-    (never another error); then writes and exact search go on, with nothing replicated lost."""
+    (never another error); then writes and exact search go on, with nothing replicated lost.
+    Writes are not retried and wait for no replica here (the promoted one has none left): this is
+    the failover as a client of the bare cluster sees it; tests/test_cluster_durability.py has
+    the one with replica-acknowledged writes."""
     cluster = LocalCluster(redis_binary).start()  # its own cluster: the session's stays whole
     try:
         client = cluster.client()
-        store = GalleryStore(client)
+        store = GalleryStore(client, policy=WritePolicy(wait_replicas=0, retry_seconds=0))
         index = LiveIndex(GalleryStore(client), "m1", DIM)
         rng = np.random.default_rng(10)
         records = [add(store, f"c{i}", random_unit(rng, DIM)) for i in range(60)]
@@ -321,11 +325,14 @@ def test_the_gallery_survives_the_crash_of_a_primary(redis_binary) -> None:
 def test_the_gallery_goes_on_while_a_partition_moves_to_another_primary(redis_binary) -> None:
     """The slot of a partition is migrated (as ``redis-cli --cluster reshard`` does) while the
     gallery is written: writes to that partition answer 503 redis_unavailable (TRYAGAIN) or go
-    through, nothing else; afterwards every face is there and search equals brute force."""
+    through, nothing else; afterwards every face is there and search equals brute force. The
+    writes run between the migration's batches, in its thread: a retry could not outlast the
+    migration, so the store retries nothing here (tests/test_cluster_durability.py grows a
+    cluster while writes are retried)."""
     cluster = LocalCluster(redis_binary).start()
     try:
         client = cluster.client()
-        store = GalleryStore(client)
+        store = GalleryStore(client, policy=WritePolicy(retry_seconds=0))
         index = LiveIndex(GalleryStore(client), "m1", DIM)
         rng = np.random.default_rng(11)
         p = store.partition_of("mover-0")

@@ -56,6 +56,7 @@ from service.errors import (
 )
 from service.gallery import partitions as parts
 from service.gallery.face_images import FaceRegion
+from service.gallery.writes import Outcome, ScriptWriter, Write, WritePolicy, retried_read
 
 #: The change stream keeps about this many entries; a worker further behind reloads fully.
 STREAM_MAXLEN = 1_000_000
@@ -261,7 +262,8 @@ class GalleryStore:
 
     ``partitions``: how many partitions the gallery has; by default one on a Redis (the keys
     without hash tags) and :data:`service.gallery.partitions.CLUSTER_PARTITIONS` on a
-    :class:`~redis.cluster.RedisCluster` client."""
+    :class:`~redis.cluster.RedisCluster` client. ``policy``: how many replicas confirm a write
+    before it is acknowledged, and how long a cluster's passing refusals are retried."""
 
     def __init__(
         self,
@@ -270,8 +272,12 @@ class GalleryStore:
         *,
         max_faces_per_subject: int = 1000,
         partitions: int | None = None,
+        policy: WritePolicy | None = None,
     ) -> None:
         self.redis = client
+        #: how writes are acknowledged (WAIT) and, on a cluster, retried (:mod:`service.gallery.writes`)
+        self.policy = policy or WritePolicy()
+        self.writer = ScriptWriter(client, self.policy)
         self.prefix = prefix
         self.max_faces_per_subject = max_faces_per_subject
         self.cluster = isinstance(client, RedisCluster)
@@ -361,6 +367,11 @@ class GalleryStore:
             return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
         return script(keys=keys, args=args, client=pipe)
 
+    def _write(self, writes: list[Write]) -> list[Outcome]:
+        """Run change scripts through :attr:`writer` (a Redis that fails answers a typed 503)."""
+        with _redis_errors():
+            return self.writer.run(writes)
+
     # -- subjects ---------------------------------------------------------------------------
     def create_subject(
         self, subject_id: str | None = None, name: str | None = None, metadata: dict[str, Any] | None = None
@@ -368,11 +379,14 @@ class GalleryStore:
         subject_id = check_subject_id(subject_id) if subject_id is not None else secrets.token_hex(8)
         created = now_iso()
         partition = self.partition_of(subject_id)
-        with _redis_errors():
-            done = self._create_subject(
-                keys=[self.subject_key(subject_id), self.subjects_key_of(partition)],
-                args=[subject_id, name or "", json.dumps(metadata or {}), created, repr(time.time())],
-            )
+        keys = [self.subject_key(subject_id), self.subjects_key_of(partition)]
+        args = [subject_id, name or "", json.dumps(metadata or {}), created, repr(time.time())]
+        (outcome,) = self._write([Write(self._create_subject, keys, args)])
+        done = outcome.reply
+        if not done and outcome.maybe_repeated:
+            # a lost reply: the subject is ours when it has our creation time
+            with _redis_errors():
+                done = _s(self.redis.hget(keys[0], "created_at")) == created
         if not done:
             raise SubjectExistsError(f"subject {subject_id!r} already exists")
         return Subject(subject_id, name, metadata or {}, created, created, 0, 0)
@@ -397,6 +411,7 @@ class GalleryStore:
         pipe.sintercard(2, [self.subject_faces_key(subject_id), self.model_faces_key(model_id, partition)])
         return 2
 
+    @retried_read
     def get_subject(self, subject_id: str, model_id: str | None = None) -> Subject:
         """A subject with its face counts: all models', and ``model_id``'s when given."""
         with _redis_errors():
@@ -421,6 +436,7 @@ class GalleryStore:
             face_count_all_models=total,
         )
 
+    @retried_read
     def subject_names(self, subject_ids: Sequence[str]) -> dict[str, str | None]:
         if not subject_ids:
             return {}
@@ -431,6 +447,7 @@ class GalleryStore:
             names = pipe.execute()
         return {sid: (_s(n) or None) for sid, n in zip(subject_ids, names, strict=True)}
 
+    @retried_read
     def list_subjects(
         self, offset: int = 0, limit: int = 50, model_id: str | None = None, query: str | None = None
     ) -> tuple[list[Subject], int]:
@@ -481,6 +498,7 @@ class GalleryStore:
                     break
                 start += batch
 
+    @retried_read
     def search_subject_ids(self, query: str) -> list[str]:
         """Ids of the subjects whose id or name contains ``query`` (case-insensitive), in creation order."""
         needle = query.strip().casefold()
@@ -539,10 +557,11 @@ class GalleryStore:
         if metadata is not None:
             fields["metadata"] = json.dumps(metadata)
         flat = [item for pair in fields.items() for item in pair]
-        with _redis_errors():
-            # One script: the update cannot resurrect a subject deleted meanwhile.
-            if not self._update_subject(keys=[key], args=flat):
-                raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
+        # One script: the update cannot resurrect a subject deleted meanwhile (and setting the
+        # same fields twice is harmless, should a lost reply make it run again).
+        (outcome,) = self._write([Write(self._update_subject, [key], flat)])
+        if not outcome.reply:
+            raise SubjectNotFoundError(f"subject {subject_id!r} does not exist")
         return self.get_subject(subject_id, model_id)
 
     def delete_subject(self, subject_id: str) -> int:
@@ -554,15 +573,13 @@ class GalleryStore:
                 face_ids = [f.decode() for f in self.redis.smembers(self.subject_faces_key(subject_id))]
                 if face_ids:
                     removed += self.remove_faces(face_ids)
-                status = self._delete_subject(
-                    keys=[
-                        self.subject_key(subject_id),
-                        self.subject_faces_key(subject_id),
-                        self.subjects_key_of(self.partition_of(subject_id)),
-                    ],
-                    args=[subject_id],
-                )
-                if status != -2:  # -2: a face was enrolled meanwhile; remove it too
+                keys = [
+                    self.subject_key(subject_id),
+                    self.subject_faces_key(subject_id),
+                    self.subjects_key_of(self.partition_of(subject_id)),
+                ]
+                (outcome,) = self._write([Write(self._delete_subject, keys, [subject_id])])
+                if outcome.reply != -2:  # -2: a face was enrolled meanwhile; remove it too
                     break
         return removed
 
@@ -598,38 +615,39 @@ class GalleryStore:
         created = now_iso()
         score = repr(time.time())
         face_ids = [self.new_face_id(subject_id) for subject_id, _ in items]
-        with _redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for face_id, (subject_id, face) in zip(face_ids, items, strict=True):
-                self._script(
-                    self._add_face,
-                    keys=self._add_face_keys(subject_id, face_id, model_id, face.photo_sha256),
-                    args=[
-                        face_id,
-                        subject_id,
-                        model_id,
-                        face.photo_sha256,
-                        created,
-                        np.asarray(face.embedding, dtype="<f4").tobytes(),
-                        json.dumps(face.box),
-                        json.dumps(face.landmarks),
-                        "" if face.detection_score is None else repr(float(face.detection_score)),
-                        face.source,
-                        self.max_faces_per_subject,
-                        STREAM_MAXLEN,
-                        face.region.jpeg if face.region is not None else b"",
-                        json.dumps(face.region.landmarks.tolist()) if face.region is not None else "",
-                        "1" if create_subjects else "0",
-                        score,
-                    ],
-                    pipe=pipe,
-                )
-            replies = pipe.execute()
+        writes = [
+            Write(
+                self._add_face,
+                self._add_face_keys(subject_id, face_id, model_id, face.photo_sha256),
+                [
+                    face_id,
+                    subject_id,
+                    model_id,
+                    face.photo_sha256,
+                    created,
+                    np.asarray(face.embedding, dtype="<f4").tobytes(),
+                    json.dumps(face.box),
+                    json.dumps(face.landmarks),
+                    "" if face.detection_score is None else repr(float(face.detection_score)),
+                    face.source,
+                    self.max_faces_per_subject,
+                    STREAM_MAXLEN,
+                    face.region.jpeg if face.region is not None else b"",
+                    json.dumps(face.region.landmarks.tolist()) if face.region is not None else "",
+                    "1" if create_subjects else "0",
+                    score,
+                ],
+            )
+            for face_id, (subject_id, face) in zip(face_ids, items, strict=True)
+        ]
+        replies = [outcome.reply for outcome in self._write(writes)]
         results: list[FaceRecord | ServiceError] = []
         for face_id, (subject_id, face), (status, detail, *made) in zip(
             face_ids, items, replies, strict=True
         ):
             status = _s(status)
+            if status == "duplicate_photo" and _s(detail) == face_id:
+                status = "ok"  # this very add ran before and its reply was lost: done once
             if status == "ok":
                 results.append(
                     FaceRecord(
@@ -677,6 +695,7 @@ class GalleryStore:
     def _face_fields(self, with_embedding: bool) -> tuple[str, ...]:
         return self._FACE_FIELDS if with_embedding else self._FACE_FIELDS[:-1]
 
+    @retried_read
     def get_face(self, face_id: str, *, with_embedding: bool = False) -> FaceRecord:
         with _redis_errors():
             values = self.redis.hmget(self.face_key(face_id), self._face_fields(with_embedding))
@@ -705,6 +724,7 @@ class GalleryStore:
             embedding=np.frombuffer(embedding, dtype="<f4").copy() if embedding is not None else None,
         )
 
+    @retried_read
     def face_region(self, face_id: str) -> FaceRegion | None:
         """The stored region around a face (None when the face has none: enrolled from an
         embedding, or with SPHEREFACE_STORE_FACE_IMAGES off)."""
@@ -718,6 +738,7 @@ class GalleryStore:
             return None
         return FaceRegion(jpeg, np.asarray(json.loads(points), dtype=np.float64))
 
+    @retried_read
     def subject_faces(self, subject_id: str, *, with_embedding: bool = False) -> list[FaceRecord]:
         self.get_subject(subject_id)
         with _redis_errors():
@@ -732,31 +753,33 @@ class GalleryStore:
     def remove_faces(self, face_ids: Sequence[str]) -> int:
         """Remove faces (unknown ids are ignored); returns how many were removed. One script per
         partition: the faces of a partition go together."""
+        return sum(int(outcome.reply) for outcome in self._remove(face_ids))
+
+    def _remove(self, face_ids: Sequence[str]) -> list[Outcome]:
+        """The outcomes of :meth:`remove_faces`'s scripts, one per partition."""
         by_partition: dict[int, list[str]] = {}
         for face_id in face_ids:
             by_partition.setdefault(self.partition_of(face_id), []).append(face_id)
         if not by_partition:
             by_partition[0] = []
-        with _redis_errors():
-            pipe = self.redis.pipeline(transaction=False) if len(by_partition) > 1 else None
-            replies = [
-                self._script(
-                    self._remove_faces,
-                    keys=[self.rev_key_of(p), self.changes_key_of(p)],
-                    args=[self.prefixes[p], STREAM_MAXLEN, *ids],
-                    pipe=pipe,
-                )
-                for p, ids in by_partition.items()
-            ]
-            if pipe is not None:
-                replies = pipe.execute()
-        return sum(int(n) for n in replies)
+        writes = [
+            Write(
+                self._remove_faces,
+                [self.rev_key_of(p), self.changes_key_of(p)],
+                [self.prefixes[p], STREAM_MAXLEN, *ids],
+            )
+            for p, ids in by_partition.items()
+        ]
+        return self._write(writes)
 
     def delete_face(self, face_id: str) -> None:
-        if self.remove_faces([face_id]) == 0:
+        (outcome,) = self._remove([face_id])
+        # Nothing removed by a script that may have run before (its reply lost): removed then.
+        if int(outcome.reply) == 0 and not outcome.maybe_repeated:
             raise FaceNotFoundError(f"face {face_id!r} does not exist")
 
     # -- whole gallery ----------------------------------------------------------------------
+    @retried_read
     def revision_and_epoch(self) -> tuple[int, bytes]:
         """The revision and the gallery's epoch: a random id set once per Redis dataset, so a
         flushed or restored gallery (revision counted again from 0) is told from the one seen."""
@@ -767,6 +790,7 @@ class GalleryStore:
                 rev, epoch = self.redis.mget(self.rev_key, self.epoch_key)
         return int(rev or 0), epoch
 
+    @retried_read
     def positions(self) -> list[tuple[int, bytes]]:
         """(revision, epoch) of every partition (:meth:`revision_and_epoch` for each)."""
         if self.partitions == 1:
@@ -790,6 +814,7 @@ class GalleryStore:
         keys = [self.rev_key_of(partition), self.changes_key_of(partition)]
         self._script(self._position, keys=keys, args=[], pipe=pipe)
 
+    @retried_read
     def revision(self) -> int:
         """The gallery's revision: the sum of its partitions' (each counts its own changes)."""
         with _redis_errors():
@@ -800,6 +825,7 @@ class GalleryStore:
                 pipe.get(self.rev_key_of(p))
             return sum(int(rev or 0) for rev in pipe.execute())
 
+    @retried_read
     def faces_per_model(self) -> dict[str, int]:
         """How many faces each model has in the gallery (``model_id -> count``)."""
         tagged = self.partitions > 1  # P{tag}:model:{id}:faces, one per partition
@@ -813,6 +839,7 @@ class GalleryStore:
                 counts[model_id] = counts.get(model_id, 0) + int(self.redis.scard(name))
         return {k: v for k, v in counts.items() if v}
 
+    @retried_read
     def stats(self, model_id: str) -> GalleryStats:
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)
