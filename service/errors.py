@@ -193,13 +193,14 @@ class MigrationMismatchError(ServiceError):
 #: Failures of a Redis (or Redis Cluster) that pass: answered 503 ``redis_unavailable``. Besides
 #: a connection refused or a timeout, a cluster may be down (no primary for a slot yet, during a
 #: failover: CLUSTERDOWN, MASTERDOWN), ask for a retry (TRYAGAIN, while a slot migrates) or have
-#: a slot no node serves.
+#: a slot no node serves; so is a redirection (MOVED, ASK) the client gave up following.
 REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.exceptions.ClusterError,
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.AskError,  # and MovedError, its subclass
 )
 
 

@@ -19,7 +19,8 @@ Keys (``P`` is the prefix, ``sf:`` by default):
   worker can bring its in-process index up to date without reloading everything.
 
 Every change runs as one Lua script, so a face, its sets, the revision and the stream entry are
-written together or not at all.
+written together or not at all. The scripts go through :mod:`service.gallery.writes`: a change is
+acknowledged once enough replicas have it (``WAIT``), and a cluster's passing refusals are retried.
 
 On a Redis Cluster the same keys exist once per partition, under the partition's hash tag
 (``P{g07.41}:subject:{id}``, ``P{g07.41}:rev``, ...; see :mod:`service.gallery.partitions`): a

@@ -184,12 +184,16 @@ class ScriptWriter:
         """Send every write not done yet, grouped by node; returns a refusal seen, a redirection
         only when nothing else was refused."""
         groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        refused: Exception | None = None
         for i, outcome in enumerate(outcomes):
             if outcome.done:
                 continue
-            node = self._node_of(writes[i], outcome)
+            try:
+                node = self._node_of(writes[i], outcome)
+            except SlotNotCoveredError as exc:  # no owner known yet: learn the slots, try again
+                refused = _graver(refused, exc)
+                continue
             groups.setdefault(node.name, (node, []))[1].append(i)
-        refused: Exception | None = None
         for node, indices in groups.values():
             sent = self._send_to_node(node, [writes[i] for i in indices], [outcomes[i] for i in indices])
             refused = _graver(refused, sent)
