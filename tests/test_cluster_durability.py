@@ -21,7 +21,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from service.app import create_app, load_pipeline
-from service.errors import DuplicatePhotoError, NotReplicatedError, RedisUnavailableError
+from service.errors import DuplicatePhotoError, FaceNotFoundError, NotReplicatedError, RedisUnavailableError
 from service.gallery.index import LiveIndex
 from service.gallery.store import FaceRecord, GalleryStore
 from service.gallery.writes import WritePolicy
@@ -193,15 +193,17 @@ def test_an_add_whose_reply_was_lost_is_applied_once_when_sent_again(cluster_sto
 
 
 class Writers:
-    """Threads enrolling pairs of faces through the store; each pair is sent until the gallery
-    has it. ``faces``: photo hash -> the face id the gallery acknowledged for it (a try that
-    answered 503 and was applied anyway shows up as duplicate_photo naming its face)."""
+    """Threads enrolling pairs of faces through the store, and deleting one of their faces now
+    and then; each change is sent until the gallery has it. ``faces``: photo hash -> (face id,
+    subject) the gallery acknowledged and still holds (an enrollment that answered 503 and was
+    applied anyway shows up, sent again, as duplicate_photo naming its face)."""
 
     def __init__(self, store: GalleryStore, subjects: list[str], threads: int, seed: int) -> None:
         self.store, self.subjects = store, subjects
         self.faces: dict[str, tuple[str, str]] = {}
-        self.events: list[tuple[float, str]] = []  # (time, "ok" | "503")
+        self.events: list[tuple[float, float, str]] = []  # (sent, answered, "ok" | "503")
         self.errors: list[BaseException] = []
+        self.deleted = 0
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(seed + i,)) for i in range(threads)]
@@ -218,11 +220,15 @@ class Writers:
 
     def _run(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
+        mine: list[str] = []  # photo hashes this thread enrolled and has not deleted
         try:
             while not self.stop.is_set():
                 picks = rng.choice(len(self.subjects), 2, replace=False)
                 items = [(self.subjects[i], emb_face(random_unit(rng, DIM))) for i in picks]
                 self._until_stored(items)
+                mine += [face.photo_sha256 for _, face in items]
+                if len(mine) > 4 and rng.random() < 0.2:
+                    self._until_deleted(mine.pop(int(rng.integers(len(mine)))))
                 time.sleep(0.005)  # a steady stream, not a flood the checks must read back
         except BaseException as exc:  # noqa: BLE001 - any other failure is the test's to report
             self.errors.append(exc)
@@ -230,14 +236,15 @@ class Writers:
     def _until_stored(self, items: list) -> None:
         deadline = time.monotonic() + 30
         while True:
+            sent = time.monotonic()
             try:
                 results = self.store.add_faces_bulk(items, "m1", create_subjects=True)
             except (RedisUnavailableError, NotReplicatedError):
-                self._note("503")
+                self._note(sent, "503")
                 assert time.monotonic() < deadline, "writes did not come back"
                 time.sleep(0.02)
                 continue
-            self._note("ok")
+            self._note(sent, "ok")
             for (subject_id, face), result in zip(items, results, strict=True):
                 if isinstance(result, DuplicatePhotoError):
                     face_id = re.search(r"as face (\S+)$", result.message).group(1)
@@ -249,17 +256,44 @@ class Writers:
                     self.faces[face.photo_sha256] = (face_id, subject_id)
             return
 
-    def _note(self, kind: str) -> None:
+    def _until_deleted(self, sha: str) -> None:
+        face_id = self.faces[sha][0]
+        deadline = time.monotonic() + 30
+        failed = False
+        while True:
+            sent = time.monotonic()
+            try:
+                self.store.delete_face(face_id)
+            except (RedisUnavailableError, NotReplicatedError):
+                self._note(sent, "503")
+                failed = True
+                assert time.monotonic() < deadline, "deletions did not come back"
+                time.sleep(0.02)
+                continue
+            except FaceNotFoundError:
+                assert failed, f"face {face_id} vanished before it was deleted"  # else: a try took it
+            self._note(sent, "ok")
+            with self.lock:
+                del self.faces[sha]
+                self.deleted += 1
+            return
+
+    def _note(self, sent: float, kind: str) -> None:
         with self.lock:
-            self.events.append((time.monotonic(), kind))
+            self.events.append((sent, time.monotonic(), kind))
 
     def window(self) -> tuple[float, int]:
-        """Seconds from the first 503 to the first write acknowledged after it, and the 503s."""
-        failed = [t for t, kind in self.events if kind == "503"]
+        """Seconds from the first 503 to the first change acknowledged after it, and the 503s."""
+        failed = sorted(answered for _, answered, kind in self.events if kind == "503")
         if not failed:
             return 0.0, 0
-        after = [t for t, kind in self.events if kind == "ok" and t > failed[0]]
-        return (after[0] - failed[0]) if after else float("inf"), len(failed)
+        after = [answered for _, answered, kind in self.events if kind == "ok" and answered > failed[0]]
+        return (min(after) - failed[0]) if after else float("inf"), len(failed)
+
+    def first_sent_after(self, moment: float) -> float | None:
+        """When the first change sent after ``moment`` was acknowledged (None: none was)."""
+        done = [answered for sent, answered, kind in self.events if kind == "ok" and sent > moment]
+        return min(done) if done else None
 
 
 def check_gallery(store: GalleryStore, writers: Writers, seed: int) -> None:
@@ -304,13 +338,14 @@ def test_no_acknowledged_face_is_lost_when_a_primary_is_killed_during_bulk_enrol
             cluster.wait_ok()
             time.sleep(1.0)
         window, failures = writers.window()
-        oks_after = [t for t, kind in writers.events if kind == "ok" and t > killed_at]
+        back = writers.first_sent_after(killed_at)
         print(
             f"\nfailover (cluster-node-timeout {NODE_TIMEOUT_MS} ms): {failures} writes answered 503; "
-            f"first 503 to first acknowledged write {window:.2f} s; kill to first acknowledged write "
-            f"{oks_after[0] - killed_at:.2f} s; {len(writers.faces)} faces acknowledged"
+            f"first 503 to first acknowledged change {window:.2f} s; kill to first change sent after it "
+            f"{back - killed_at:.2f} s; {len(writers.faces)} faces acknowledged and kept, "
+            f"{writers.deleted} deleted"
         )
-        assert oks_after and window < 15
+        assert back is not None and window < 15
         assert address_of(client, store.subject_key(subjects[0])) != victim
         check_gallery(store, writers, seed=101)
         client.close()
@@ -366,9 +401,13 @@ def test_a_fourth_primary_joins_and_takes_slots_while_the_gallery_is_written_and
         window, write_503 = writers.window()
         print(
             f"\nrebalance onto a 4th primary: {moved_in:.1f} s; writes answered 503: {write_503}; "
-            f"searches {searches}; {len(writers.faces)} faces acknowledged"
+            f"searches {searches}; {len(writers.faces)} faces acknowledged and kept, "
+            f"{writers.deleted} deleted"
         )
         assert not failures, failures
+        # The retries outlast most slots' moves (0 to 2 writes answered 503 in the runs measured;
+        # hundreds without them); a slot of many keys can take longer on a loaded machine.
+        assert write_503 < 20
         assert new in owners and len(owners) == 4
         assert searches["ok"] > 0
         check_gallery(store, writers, seed=201)

@@ -45,6 +45,15 @@ from service.errors import NotReplicatedError, RedisUnavailableError, redis_unav
 
 #: Replies of a node that refused a script without running it: send it again.
 REFUSED = (AskError, MovedError, TryAgainError, ClusterDownError)
+#: Errors a script meets inside a cluster node that mean the same as a refusal: a key the script
+#: did not declare (the removal script builds its face keys) has left with its migrating slot,
+#: or the cluster went down. Redis stops the script at that command; what it changed before stays,
+#: and every gallery script is written so that running it again finishes the job once.
+SCRIPT_REFUSALS = (
+    "Script attempted to access a non local key in a cluster node",
+    "Script attempted to execute a command while the cluster is down",
+    "Script attempted to execute a write command while the cluster is down",
+)
 #: The first pause between two tries; each next one is twice as long, at most :data:`MAX_PAUSE`.
 FIRST_PAUSE = 0.02
 MAX_PAUSE = 0.25
@@ -100,6 +109,11 @@ def replicas_of(client: redis.Redis | RedisCluster) -> int:
         infos = client.info("replication", target_nodes=RedisCluster.PRIMARIES)
         return sum(int(info.get("connected_slaves", 0)) for info in infos.values())
     return int(client.info("replication").get("connected_slaves", 0))
+
+
+def _refused_inside(reply: Any) -> bool:
+    """Whether a script's error is one of :data:`SCRIPT_REFUSALS` (send it again later)."""
+    return isinstance(reply, redis.ResponseError) and any(text in str(reply) for text in SCRIPT_REFUSALS)
 
 
 def _graver(first: Exception | None, second: Exception | None) -> Exception | None:
@@ -248,8 +262,9 @@ class ScriptWriter:
             reply = next(replies)
             if isinstance(reply, AskError) and not isinstance(reply, MovedError):
                 outcome.ask = reply.node_addr
-            if isinstance(reply, REFUSED):
+            if isinstance(reply, REFUSED) or _refused_inside(reply):
                 refused = _graver(refused, reply)
+                outcome.maybe_repeated = outcome.maybe_repeated or not isinstance(reply, REFUSED)
             elif isinstance(reply, Exception):
                 raise reply
             else:
