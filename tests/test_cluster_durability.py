@@ -189,6 +189,60 @@ def test_an_add_whose_reply_was_lost_is_applied_once_when_sent_again(cluster_sto
     assert store.redis.xlen(store.changes_key_of(p)) == 1 and store.revision() == 1
 
 
+def _finish_migration(cluster: LocalCluster, slot: int, source: str, target: str) -> None:
+    """Move the slot's remaining keys from ``source`` to ``target`` and give it to ``target``."""
+    rows = {r["address"]: r for r in cluster.nodes()}
+    host, port = target.rsplit(":", 1)
+    with redis.Redis(host=source.rsplit(":", 1)[0], port=int(source.rsplit(":", 1)[1])) as src:
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 10):
+            src.execute_command("MIGRATE", host, int(port), "", 0, 5000, "KEYS", *keys)
+    for address, row in rows.items():
+        if "master" in row["flags"]:
+            with redis.Redis(host=address.rsplit(":", 1)[0], port=int(address.rsplit(":", 1)[1])) as node:
+                node.execute_command("CLUSTER SETSLOT", slot, "NODE", rows[target]["id"])
+
+
+def test_a_removal_that_meets_its_face_gone_with_a_migrating_slot_is_retried(redis_binary) -> None:
+    """The removal script declares only its partition's revision and stream; the face key it
+    builds has already moved with the migrating slot, so Redis stops the script ("non local
+    key"). The store sends it again until the slot has moved: the face is deleted, once."""
+    cluster = LocalCluster(redis_binary).start()
+    try:
+        client = cluster.client()
+        store = GalleryStore(client)
+        rng = np.random.default_rng(5)
+        records = [enroll(store, "mover", random_unit(rng, DIM)) for _ in range(3)]
+        p = store.partition_of("mover")
+        slot = client.keyslot(store.rev_key_of(p))
+        source = address_of(client, store.rev_key_of(p))
+        rows = {r["address"]: r for r in cluster.nodes()}
+        target = next(a for a, r in rows.items() if "master" in r["flags"] and a != source)
+        host, port = target.rsplit(":", 1)
+        with (
+            redis.Redis(host=source.rsplit(":", 1)[0], port=int(source.rsplit(":", 1)[1])) as src,
+            redis.Redis(host=host, port=int(port)) as dst,
+        ):
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", rows[source]["id"])
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", rows[target]["id"])
+            src.execute_command(
+                "MIGRATE", host, int(port), "", 0, 5000, "KEYS", store.face_key(records[0].id)
+            )
+            with pytest.raises(RedisUnavailableError):  # without retries: 503, not a script error
+                GalleryStore(client, policy=WritePolicy(retry_seconds=0)).delete_face(records[0].id)
+        finish = threading.Timer(0.3, _finish_migration, (cluster, slot, source, target))
+        finish.start()
+        started = time.monotonic()
+        store.delete_face(records[0].id)
+        finish.join()
+        assert 0.25 < time.monotonic() - started < 2.0  # held until the slot had moved
+        assert address_of(client, store.rev_key_of(p)) == target
+        assert sorted(f.id for f in store.subject_faces("mover")) == sorted(r.id for r in records[1:])
+        assert store.stats("m1").faces == 2 and store.revision() == 4  # 3 adds, 1 removal
+        client.close()
+    finally:
+        cluster.stop()
+
+
 # -- writers and identifiers while the cluster changes ------------------------------------------------
 
 
