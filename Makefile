@@ -350,6 +350,15 @@ bench-lfw-bin: install
 bench-gallery-scan: install
 	$(BIN)/python bench/gallery_scan.py --json docs/results/bench_gallery_scan.json
 
+# The gallery on one plain redis-server against a Redis Cluster of 3 primaries (no replicas), through the
+# service's GalleryStore and LiveIndex: bulk enrollment (2 writer processes), Redis memory per primary, a
+# pod's load time and memory, identification latency, interleaved rounds. 1M faces: about 2.5 GB of Redis
+# memory per layout, 2.5 GB for the two pods, about 11 minutes on 2 shared cores (docs/results/cluster.md);
+# .venv/bin/python bench/cluster.py --faces 20000 runs the same in about 20 seconds.
+.PHONY: bench-cluster
+bench-cluster: install
+	$(BIN)/python bench/cluster.py --faces 1000000 --json docs/results/bench_cluster.json
+
 # Memory of sphereface serve --workers 2 at 1M faces, each worker its own copy against one shared
 # snapshot, and search over the snapshot (about 6 minutes; docs/results/service.md "Memory with two workers").
 bench-gallery-memory: install
