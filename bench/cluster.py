@@ -76,20 +76,28 @@ def enroll(pool, layouts: dict[str, Layout], args: argparse.Namespace) -> dict[s
     rounds = _bounds(args.faces, args.enroll_rounds, args.per_subject)
     names = list(layouts)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    cpu = {name: {"writers": 0.0, "redis": 0.0, "faces": 0} for name in names}
     for r, (lo, hi) in enumerate(zip(rounds, rounds[1:], strict=False)):
         cuts = _bounds(hi - lo, args.writers, args.per_subject)
         for name in _rotated(names, r):
             tasks = [(layouts[name].spec, lo + a, b - a, args.dim, args.per_subject, args.batch)
                      for a, b in zip(cuts, cuts[1:], strict=False)]  # fmt: skip
+            redis_cpu = layouts[name].cpu_seconds()
             t0 = time.perf_counter()
-            stored = sum(pool.starmap(enroll_range, tasks))
-            rates[name].append(stored / (time.perf_counter() - t0))
+            done = pool.starmap(enroll_range, tasks)
+            rates[name].append(sum(n for n, _ in done) / (time.perf_counter() - t0))
             layouts[name].wait_replicated()
+            cpu[name]["redis"] += layouts[name].cpu_seconds() - redis_cpu
+            cpu[name]["writers"] += sum(c for _, c in done)
+            cpu[name]["faces"] += sum(n for n, _ in done)
         _log(f"enroll round {r + 1}/{len(rounds) - 1} ({hi:,} faces): "
              + ", ".join(f"{n} {rates[n][-1]:,.0f} faces/s" for n in names))  # fmt: skip
     base = np.array(rates[names[0]])
     return {name: {"faces_per_s": _spread(v), "per_round_faces_per_s": [round(x, 1) for x in v],
-                   "ratio_to_first": _spread(np.array(v) / base)} for name, v in rates.items()}  # fmt: skip
+                   "ratio_to_first": _spread(np.array(v) / base),
+                   "cpu_ms_per_1000_faces": {side: cpu[name][side] / cpu[name]["faces"] * 1e6
+                                             for side in ("writers", "redis")}}
+            for name, v in rates.items()}  # fmt: skip
 
 
 def memory(layout: Layout, empty: list[dict[str, Any]], faces: int) -> dict[str, Any]:
@@ -198,10 +206,11 @@ def _print(report: dict[str, Any]) -> None:
           "median (min-max) over rounds")  # fmt: skip
     for name, r in report["layouts"].items():
         e, m, pod, ident = r["enroll"], r["redis_memory"], r["pod"], r["identify_ms"]
-        f = e["faces_per_s"]
+        f, cpu = e["faces_per_s"], e["cpu_ms_per_1000_faces"]
         print(f"\n{name}: {r['layout']}")
         print(f"  enroll      {f['median']:9,.0f} faces/s ({f['min']:,.0f}-{f['max']:,.0f})"
-              f"  x{e['ratio_to_first']['median']:.2f}")  # fmt: skip
+              f"  x{e['ratio_to_first']['median']:.2f}; CPU ms per 1,000 faces: writers "
+              f"{cpu['writers']:,.0f}, Redis {cpu['redis']:,.0f}")  # fmt: skip
         per_node = ", ".join(_mb(n["used_memory"]) for n in m["nodes"] if n["role"] == "master")
         print(
             f"  Redis       {_mb(m['primaries_used_memory'])} on the primaries ({per_node}),"

@@ -4,6 +4,7 @@ TCP with the same settings (no persistence: no RDB snapshots, no append-only fil
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -147,6 +148,14 @@ class Layout:
                 }
             )
         return rows
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) its redis-servers have used so far, from /proc."""
+        total = 0
+        for process in self.processes:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+        return total / os.sysconf("SC_CLK_TCK")
 
     def wait_replicated(self, timeout: float = 600.0) -> None:
         """Until every replica has its primary's whole replication stream."""
