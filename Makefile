@@ -353,7 +353,7 @@ bench-gallery-scan: install
 # The gallery on one plain redis-server against a Redis Cluster of 3 primaries (no replicas), through the
 # service's GalleryStore and LiveIndex: bulk enrollment (2 writer processes), Redis memory per primary, a
 # pod's load time and memory, identification latency, interleaved rounds. 1M faces: about 2.5 GB of Redis
-# memory per layout, 2.5 GB for the two pods, about 11 minutes on 2 shared cores (docs/results/cluster.md);
+# memory per layout, 2.5 GB for the two pods, 6 to 10 minutes on 2 shared cores (docs/results/cluster.md);
 # .venv/bin/python bench/cluster.py --faces 20000 runs the same in about 20 seconds.
 .PHONY: bench-cluster
 bench-cluster: install
