@@ -354,7 +354,7 @@ bench-gallery-scan: install
 # service's GalleryStore and LiveIndex: bulk enrollment (2 writer processes), Redis memory per primary, a
 # pod's load time and memory, identification latency, interleaved rounds. 1M faces: about 2.5 GB of Redis
 # memory per layout, 2.5 GB for the two pods, 6 to 10 minutes on 2 shared cores (docs/results/cluster.md);
-# .venv/bin/python bench/cluster.py --faces 20000 runs the same in about 20 seconds.
+# .venv/bin/python bench/cluster.py --faces 20000 runs the same in about 15 seconds.
 .PHONY: bench-cluster
 bench-cluster: install
 	$(BIN)/python bench/cluster.py --faces 1000000 --json docs/results/bench_cluster.json

@@ -8,7 +8,8 @@ replica per primary), all on loopback TCP, none persisting, and measures on each
   faces per subject, written by ``--writers`` processes through ``GalleryStore.add_faces_bulk``
   (``--batch`` faces per call, subjects created with their first face) in ``--enroll-rounds``
   rounds: round r enrolls the next share of the faces into every layout in turn (who goes first
-  rotates), so each round gives one faces/s per layout at the same gallery size;
+  rotates), so each round gives one faces/s per layout at the same gallery size, and the CPU time
+  per 1,000 faces of the writers (inside ``add_faces_bulk``) and of the layout's redis-servers;
 * memory: INFO memory ``used_memory`` of every node, and their sum over the primaries;
 * a pod: a process of its own per layout holding a ``LiveIndex`` of the whole gallery; the time
   of its initial load, its resident memory and the vectors' share of it;

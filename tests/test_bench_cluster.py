@@ -26,7 +26,8 @@ def test_cluster_bench_measures_both_layouts_in_interleaved_rounds_and_writes_it
     for layout, primaries in ((single, 1), (cluster, 3)):
         rates = layout["enroll"]["per_round_faces_per_s"]
         assert len(rates) == 2 and all(rate > 0 for rate in rates)
-        assert all(ms > 0 for ms in layout["enroll"]["cpu_ms_per_1000_faces"].values())
+        cpu = layout["enroll"]["cpu_ms_per_1000_faces"]
+        assert cpu["writers"] > 0 and cpu["redis"] >= 0  # /proc counts Redis's CPU in 10 ms ticks
         memory = layout["redis_memory"]
         nodes = memory["nodes"]
         assert [n["role"] for n in nodes] == ["master"] * primaries
