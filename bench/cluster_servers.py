@@ -88,6 +88,7 @@ class Layout:
             if self.cluster:
                 self._create()
                 self._wait_ok(timeout)
+                self._wait_synced(timeout)
         except BaseException:
             self.stop()
             raise
@@ -98,7 +99,8 @@ class Layout:
         folder.mkdir()
         # fmt: off
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--daemonize", "no"]
+                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--daemonize", "no",
+                "--repl-diskless-sync-delay", "0"]
         # fmt: on
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
@@ -128,6 +130,24 @@ class Layout:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.describe()} did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def _wait_synced(self, timeout: float) -> None:
+        """Until every replica has finished its first sync: the gallery's writes wait for a replica
+        (``WAIT``, :mod:`service.gallery.writes`), and WAIT counts only synced replicas."""
+        deadline = time.monotonic() + timeout
+        while self.replicas:
+            synced = []
+            for port in self.ports:
+                with redis.Redis(host="127.0.0.1", port=port) as client:
+                    info = client.info("replication")
+                if info["role"] != "master":
+                    up = info.get("master_link_status") == "up"
+                    synced.append(up and not info.get("master_sync_in_progress"))
+            if len(synced) == self.primaries * self.replicas and all(synced):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas of {self.describe()} did not finish their first sync")
             time.sleep(0.05)
 
     def memory(self) -> list[dict[str, Any]]:

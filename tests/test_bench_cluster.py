@@ -39,3 +39,19 @@ def test_cluster_bench_measures_both_layouts_in_interleaved_rounds_and_writes_it
             p50 = layout["identify_ms"][kind]["p50"]
             assert 0 < p50["min"] <= p50["median"] <= p50["max"]
     assert all(n["keys"] > 0 for n in cluster["redis_memory"]["nodes"])  # every primary holds faces
+
+
+@pytest.mark.slow
+def test_the_replicas_layout_enrolls_through_writes_that_wait_for_a_replica(redis_binary):
+    """The gallery's writes wait for a replica (WAIT): the layout starts with every replica synced."""
+    from bench.cluster import LAYOUTS
+    from bench.cluster_work import enroll_range
+    from service.gallery.writes import replicas_of
+
+    layout = LAYOUTS["cluster-replicas"]().start()
+    try:
+        with layout.spec.client() as client:
+            assert replicas_of(client) == 3
+        assert enroll_range(layout.spec, 0, 30, 16, 3, 10)[0] == 30
+    finally:
+        layout.stop()
