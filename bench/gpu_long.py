@@ -69,11 +69,12 @@ def _subset_accuracy(check: Check, net_state: dict[str, Any], state: dict[str, A
 
 
 def _curve(run_dir: Path) -> dict[str, list[float]]:
-    """The run's logged loss, accuracy and λ per step, for the JSON (plots on the CPU machine)."""
+    """The run's logged loss, accuracy, λ, feature norm and lr per step, for the JSON (plots on the
+    CPU machine; the feature norm is what runs away before an A-Softmax run turns NaN)."""
     from training.run_log import read_log
 
     log = read_log(run_dir / "log.csv")
-    keep = ("step", "loss", "accuracy", "lambda", "lr", "images_per_s")
+    keep = ("step", "loss", "accuracy", "lambda", "feature_norm", "lr", "images_per_s")
     return {k: [float(v) for v in log[k]] for k in keep if k in log}
 
 

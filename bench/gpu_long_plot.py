@@ -24,7 +24,10 @@ def long_run(path: Path) -> dict[str, Any]:
     label = f"lr {overrides.get('lr', 'base')}, {precision}, {overrides.get('steps', '?')} steps"
     if "diverged" in details:
         label += f" (NaN at step {details['diverged'].split('at step ')[1].split(';')[0]})"
-    return {"label": label, "curve": details["curve"]}
+    environment = next((s["details"] for s in report["sections"] if s["section"] == "environment"), {})
+    pack = report.get("pack", {})
+    where = f"SphereFace-20 on {pack.get('faces', 0):,} crops, {environment.get('gpu', 'CPU')}"
+    return {"label": label, "curve": details["curve"], "where": where}
 
 
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
@@ -33,18 +36,25 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    with_norm = any("feature_norm" in run["curve"] for run in runs)
+    ratios = (3, 1, 1) if with_norm else (3, 1)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(8, 6 + with_norm), sharex=True, height_ratios=ratios)
+    loss_ax, lr_ax = axes[0], axes[1]
     for run in runs:
         curve = run["curve"]
         loss_ax.plot(curve["step"], curve["loss"], label=run["label"])
         lr_ax.plot(curve["step"], curve["lr"], label=run["label"])
+        if with_norm and "feature_norm" in curve:
+            axes[2].plot(curve["step"], curve["feature_norm"], label=run["label"])
+    if with_norm:
+        axes[2].set_ylabel("mean ||x||")
     loss_ax.set_yscale("log")
     loss_ax.set_ylabel("training loss (A-Softmax, m = 4)")
-    loss_ax.set_title("SphereFace-20 on 6,237 CelebA crops of 299 identities, batch 256, NVIDIA H200")
+    loss_ax.set_title("; ".join(sorted({run["where"] for run in runs})), fontsize=10)
     loss_ax.legend(fontsize=8)
     lr_ax.set_yscale("log")
     lr_ax.set_ylabel("lr")
-    lr_ax.set_xlabel("step")
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -114,7 +114,7 @@ def test_the_whole_check_runs_tiny_on_the_cpu_and_ends_with_its_table(tiny_pack,
 
 
 def test_the_long_run_sends_its_weights_home_in_parts_that_export_reads(tiny_pack, tmp_path, monkeypatch):
-    from bench import gpu_long, gpu_long_import
+    from bench import gpu_long, gpu_long_import, gpu_long_plot
 
     monkeypatch.setattr(gpu_long, "PART_BYTES", 100_000)  # several parts from a tiny network
     argv = ["--device", "cpu", "--pack", str(tiny_pack), "--out", str(tmp_path), "--sections", "long"]
@@ -123,6 +123,9 @@ def test_the_long_run_sends_its_weights_home_in_parts_that_export_reads(tiny_pac
     long = next(s for s in report["sections"] if s["section"] == "long")
     assert long["status"] == "ok" and len(long["details"]["parts"]) >= 2
     assert len(long["details"]["curve"]["loss"]) == TINY.long_steps
+    assert len(long["details"]["curve"]["feature_norm"]) == TINY.long_steps
+    assert gpu_long_plot.main([str(tmp_path / "gpu_check.json"), "--out", str(tmp_path / "long.png")]) == 0
+    assert (tmp_path / "long.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = gpu_long_import.read_parts(tmp_path)
     checkpoint = gpu_long_import.to_checkpoint(state)
     assert checkpoint["step"] == TINY.long_steps and state["travelled_as"] == "fp16"
