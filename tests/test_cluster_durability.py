@@ -37,6 +37,25 @@ def address_of(client, key: str) -> str:
     return f"{node.host}:{node.port}"
 
 
+def wait_taken_over(cluster: LocalCluster, key: str, victim: str, timeout: float = 30.0) -> float:
+    """Until a node other than the killed ``victim`` serves ``key``'s slot (its replica was promoted;
+    ``cluster_state`` still says ok for a moment after a kill); returns the seconds it took."""
+    started = time.monotonic()
+    probe = cluster.client()
+    try:
+        while True:
+            try:
+                probe.nodes_manager.initialize()
+                if address_of(probe, key) != victim:
+                    return time.monotonic() - started
+            except redis.RedisError:
+                pass
+            assert time.monotonic() - started < timeout, "no replica took over"
+            time.sleep(0.05)
+    finally:
+        probe.close()
+
+
 def replicas_of(cluster: LocalCluster, primary: str) -> list[str]:
     rows = cluster.nodes()
     primary_id = next(r["id"] for r in rows if r["address"] == primary)
@@ -350,6 +369,45 @@ class Writers:
         return min(done) if done else None
 
 
+class Identifiers:
+    """Threads searching a pod's index (refreshed from every partition before each search) until
+    stopped: ``searches`` counts answers and 503s, ``failures`` anything else."""
+
+    def __init__(self, index: LiveIndex, threads: int) -> None:
+        self.index = index
+        self.searches = {"ok": 0, "503": 0}
+        self.slowest = 0.0  # seconds of the longest search, 503s included
+        self.failures: list[BaseException] = []
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def __enter__(self) -> Identifiers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(7 + seed)
+        while not self.done.is_set():
+            started = time.monotonic()
+            try:
+                self.index.search(random_unit(rng, DIM, 1), 5)
+                self.searches["ok"] += 1
+            except RedisUnavailableError:
+                self.searches["503"] += 1
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                self.failures.append(exc)
+                return
+            finally:
+                self.slowest = max(self.slowest, time.monotonic() - started)
+            time.sleep(0.01)
+
+
 def check_gallery(store: GalleryStore, writers: Writers, seed: int) -> None:
     """Every acknowledged face is there once, with its subject; nothing else; search is exact."""
     assert not writers.errors, writers.errors
@@ -385,21 +443,32 @@ def test_no_acknowledged_face_is_lost_when_a_primary_is_killed_during_bulk_enrol
         cluster.add_node(replica_of=victim)
         client.nodes_manager.initialize()  # learn the new replica
         assert store.writer.level() == 1
+        # The pod's index retries its reads for longer than the failover takes (2.2 to 2.7 s here):
+        # searches wait for the replica instead of answering 503.
+        index = LiveIndex(GalleryStore(client, policy=WritePolicy(retry_seconds=6.0)), "m1", DIM)
         with Writers(store, subjects[:40], threads=4, seed=100) as writers:
             time.sleep(1.0)
-            killed_at = time.monotonic()
-            cluster.kill_node(victim)
-            cluster.wait_ok()
-            time.sleep(1.0)
+            index.search(random_unit(np.random.default_rng(0), DIM, 1), 5)  # loaded before the kill
+            with Identifiers(index, threads=2) as identifiers:
+                killed_at = time.monotonic()
+                cluster.kill_node(victim)
+                taken_over = wait_taken_over(cluster, store.subject_key(subjects[0]), victim)
+                cluster.wait_ok()
+                time.sleep(1.0)
         window, failures = writers.window()
         back = writers.first_sent_after(killed_at)
         print(
-            f"\nfailover (cluster-node-timeout {NODE_TIMEOUT_MS} ms): {failures} writes answered 503; "
+            f"\nfailover (cluster-node-timeout {NODE_TIMEOUT_MS} ms) in {taken_over:.2f} s: "
+            f"{failures} writes answered 503; "
             f"first 503 to first acknowledged change {window:.2f} s; kill to first change sent after it "
             f"{back - killed_at:.2f} s; {len(writers.faces)} faces acknowledged and kept, "
-            f"{writers.deleted} deleted"
+            f"{writers.deleted} deleted; searches {identifiers.searches}, the slowest "
+            f"{identifiers.slowest:.2f} s"
         )
         assert back is not None and window < 15
+        assert not identifiers.failures, identifiers.failures
+        assert identifiers.searches["503"] == 0 and identifiers.searches["ok"] > 0
+        assert identifiers.slowest < taken_over + 3.0
         assert address_of(client, store.subject_key(subjects[0])) != victim
         check_gallery(store, writers, seed=101)
         client.close()
@@ -421,35 +490,14 @@ def test_a_fourth_primary_joins_and_takes_slots_while_the_gallery_is_written_and
         store = GalleryStore(client)
         subjects = [f"g-{i}" for i in range(300)]
         index = LiveIndex(GalleryStore(client), "m1", DIM)
-        searches: dict[str, int] = {"ok": 0, "503": 0}
-        failures: list[BaseException] = []
-        done = threading.Event()
-
-        def identify() -> None:
-            rng = np.random.default_rng(7)
-            while not done.is_set():
-                try:
-                    index.search(random_unit(rng, DIM, 1), 5)
-                    searches["ok"] += 1
-                except RedisUnavailableError:
-                    searches["503"] += 1
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    failures.append(exc)
-                    return
-
-        identifiers = [threading.Thread(target=identify) for _ in range(2)]
-        with Writers(store, subjects, threads=3, seed=200) as writers:
-            for thread in identifiers:
-                thread.start()
+        with Writers(store, subjects, threads=3, seed=200) as writers, Identifiers(index, 2) as identifiers:
             new = cluster.add_node()
             cluster.add_node(replica_of=new)  # writes wait for a replica: it needs one first
             started = time.monotonic()
             cluster.rebalance()
             moved_in = time.monotonic() - started
             time.sleep(0.3)
-            done.set()
-        for thread in identifiers:
-            thread.join()
+        searches, failures = identifiers.searches, identifiers.failures
         client.nodes_manager.initialize()
         owners = {address_of(client, store.rev_key_of(p)) for p in range(store.partitions)}
         window, write_503 = writers.window()

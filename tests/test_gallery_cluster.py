@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 from redis.exceptions import RedisClusterException
 
 from service.errors import RedisUnavailableError
@@ -377,3 +378,27 @@ def test_the_gallery_goes_on_while_a_partition_moves_to_another_primary(redis_bi
         client.close()
     finally:
         cluster.stop()
+
+
+def test_an_index_whose_stream_read_is_refused_in_passing_retries_and_finds_the_face(
+    cluster_client, store, monkeypatch
+):
+    """A change-stream read that loses its node (as in a failover) is retried with the store's
+    policy, like the store's own reads: the next identification waits and finds the new face."""
+    index = LiveIndex(store, "m1", DIM)
+    rng = np.random.default_rng(5)
+    add(store, "before", random_unit(rng, DIM))
+    index.search(random_unit(rng, DIM, 1), 1)  # loaded; later faces come from the streams
+    vector = random_unit(rng, DIM)
+    add(store, "after", vector)
+    real_xrange, refused = cluster_client.xrange, []
+
+    def xrange_losing_its_node_once(*args, **kwargs):
+        if not refused:
+            refused.append(args[0])
+            raise redis.ConnectionError("Connection refused (the node went away)")
+        return real_xrange(*args, **kwargs)
+
+    monkeypatch.setattr(cluster_client, "xrange", xrange_losing_its_node_once)
+    assert index.search(vector[None], 1)[0][0].subject_id == "after"
+    assert refused, "the stream was not read"

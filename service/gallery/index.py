@@ -23,6 +23,7 @@ from service.errors import RedisUnavailableError
 from service.gallery.int8_scan import Int8Scan
 from service.gallery.snapshot import CHECK_SECONDS, COMPACT_FACES, Snapshot, SnapshotFolder, SnapshotMeta
 from service.gallery.store import GalleryStore, _redis_errors, _s
+from service.gallery.writes import retry_passing
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ class LiveIndex:
             self._attempt += 1
             self._running = attempt = self._attempt
         try:
-            revision = self._refresh()
+            revision = retry_passing(self._refresh, self.store)  # through a failover, on a cluster
         except RedisUnavailableError as exc:
             self._failed = (attempt, exc)
             raise

@@ -279,31 +279,36 @@ READ_RETRIED = (*REFUSED, SlotNotCoveredError, redis.ConnectionError)
 _reading = threading.local()
 
 
+def retry_passing(call: Callable[[], T], store: Any) -> T:
+    """``call()``, again with back-off for the store's ``policy.retry_seconds`` while a cluster
+    refuses it in passing (see :data:`READ_RETRIED`); one Redis, or a call inside another retried
+    one, runs once (the outer one retries)."""
+    if not store.cluster or getattr(_reading, "active", False):
+        return call()
+    deadline = time.monotonic() + store.policy.retry_seconds
+    pause = FIRST_PAUSE
+    _reading.active = True
+    try:
+        while True:
+            try:
+                return call()
+            except RedisUnavailableError as exc:
+                cause = exc.__cause__
+                passing = isinstance(cause, READ_RETRIED) and not isinstance(cause, redis.TimeoutError)
+                if not passing or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_PAUSE)
+            refresh_slots(store.redis, cause)
+    finally:
+        _reading.active = False
+
+
 def retried_read(method: Callable[..., T]) -> Callable[..., T]:
-    """Retry a read-only method of the store on a cluster when Redis refused it in passing (see
-    :data:`READ_RETRIED`), with back-off, for the store's ``policy.retry_seconds``; a read inside
-    another retried one is retried by the outer one only."""
+    """A read-only method of the store, retried on a cluster by :func:`retry_passing`."""
 
     @functools.wraps(method)
     def read(store: Any, *args: Any, **kwargs: Any) -> T:
-        if not store.cluster or getattr(_reading, "active", False):
-            return method(store, *args, **kwargs)
-        deadline = time.monotonic() + store.policy.retry_seconds
-        pause = FIRST_PAUSE
-        _reading.active = True
-        try:
-            while True:
-                try:
-                    return method(store, *args, **kwargs)
-                except RedisUnavailableError as exc:
-                    cause = exc.__cause__
-                    passing = isinstance(cause, READ_RETRIED) and not isinstance(cause, redis.TimeoutError)
-                    if not passing or time.monotonic() + pause > deadline:
-                        raise
-                time.sleep(pause)
-                pause = min(2 * pause, MAX_PAUSE)
-                refresh_slots(store.redis, cause)
-        finally:
-            _reading.active = False
+        return retry_passing(lambda: method(store, *args, **kwargs), store)
 
     return read
