@@ -27,7 +27,7 @@ from service.gallery.store import FaceRecord, GalleryStore
 from service.gallery.writes import WritePolicy
 from service.settings import Settings
 from tests.gallery_vectors import emb_face, random_unit
-from tests.redis_cluster import NODE_TIMEOUT_MS, LocalCluster, _free_port
+from tests.redis_cluster import NODE_TIMEOUT_MS, LocalCluster, free_port
 
 DIM = 16
 
@@ -170,8 +170,8 @@ def _wait_link(port: int) -> None:
 def test_one_redis_with_a_replica_waits_for_it_and_without_one_does_not(redis_client) -> None:
     assert GalleryStore(redis_client).writer.level() == 0  # no replica: off by default
     taken: set[int] = set()
-    primary_port = _free_port(taken)
-    replica_port = _free_port({primary_port, primary_port + 10000})
+    primary_port = free_port(taken)
+    replica_port = free_port({primary_port, primary_port + 10000})
     primary = _redis_on(primary_port)
     replica = _redis_on(replica_port, "--replicaof", "127.0.0.1", str(primary_port))
     try:
