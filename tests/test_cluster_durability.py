@@ -265,7 +265,28 @@ def test_a_removal_that_meets_its_face_gone_with_a_migrating_slot_is_retried(red
 # -- writers and identifiers while the cluster changes ------------------------------------------------
 
 
-class Writers:
+class ThreadGroup:
+    """Threads running ``self._run(seed)`` from ``with`` until its end (``stop`` set, then joined)."""
+
+    def __init__(self, threads: int, seed: int) -> None:
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(seed + i,)) for i in range(threads)]
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def _run(self, seed: int) -> None:
+        raise NotImplementedError
+
+
+class Writers(ThreadGroup):
     """Threads enrolling pairs of faces through the store, and deleting one of their faces now
     and then; each change is sent until the gallery has it. ``faces``: photo hash -> (face id,
     subject) the gallery acknowledged and still holds (an enrollment that answered 503 and was
@@ -277,19 +298,8 @@ class Writers:
         self.events: list[tuple[float, float, str]] = []  # (sent, answered, "ok" | "503")
         self.errors: list[BaseException] = []
         self.deleted = 0
-        self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(seed + i,)) for i in range(threads)]
-
-    def __enter__(self) -> Writers:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=60)
+        super().__init__(threads, seed)
 
     def _run(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -369,7 +379,7 @@ class Writers:
         return min(done) if done else None
 
 
-class Identifiers:
+class Identifiers(ThreadGroup):
     """Threads searching a pod's index (refreshed from every partition before each search) until
     stopped: ``searches`` counts answers and 503s, ``failures`` anything else."""
 
@@ -378,22 +388,11 @@ class Identifiers:
         self.searches = {"ok": 0, "503": 0}
         self.slowest = 0.0  # seconds of the longest search, 503s included
         self.failures: list[BaseException] = []
-        self.done = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-
-    def __enter__(self) -> Identifiers:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        for thread in self.threads:
-            thread.join(timeout=60)
+        super().__init__(threads, seed=7)
 
     def _run(self, seed: int) -> None:
-        rng = np.random.default_rng(7 + seed)
-        while not self.done.is_set():
+        rng = np.random.default_rng(seed)
+        while not self.stop.is_set():
             started = time.monotonic()
             try:
                 self.index.search(random_unit(rng, DIM, 1), 5)
