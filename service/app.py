@@ -27,6 +27,8 @@ from service.errors import (
     error_response,
     redis_unavailable,
 )
+from service.events.delivery import WebhookDelivery, WebhookWorker
+from service.events.stream import EventStream
 from service.gallery.index import LiveIndex
 from service.gallery.redis_search import RedisKnnSearch
 from service.gallery.store import GalleryStore
@@ -35,7 +37,7 @@ from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
 from service.redis_clients import gallery_client, redis_client  # noqa: F401  (redis_client: for callers)
-from service.routes import faces, gallery, health, identify
+from service.routes import events, faces, gallery, health, identify
 from service.routes.common import reject_unknown_query
 from service.routes.page import add_page
 from service.settings import Settings
@@ -153,6 +155,36 @@ def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis | RedisClus
     return client
 
 
+def start_events(app: FastAPI, settings: Settings, client: redis.Redis | RedisCluster) -> WebhookDelivery:
+    """The event stream the routes append to (``app.state.events``), and this process's delivery
+    of it to every webhook of the settings, started on the running event loop."""
+    metrics = app.state.metrics
+    app.state.events = EventStream(
+        client,
+        settings.redis_prefix,
+        maxlen=settings.events_stream_maxlen,
+        identification=settings.events_identification,
+        metrics=metrics,
+    )
+    webhooks = app.state.webhooks
+    # one client for every webhook of this process; its reads block up to 1 s
+    reader = gallery_client(settings, settings.redis_timeout + 1.0) if webhooks else None
+    workers = [
+        WebhookWorker(
+            reader,
+            settings.redis_prefix,
+            endpoint,
+            settings.retry_policy(),
+            claim_idle=settings.webhook_claim_idle,
+            metrics=metrics,
+        )
+        for endpoint in webhooks
+    ]
+    delivery = WebhookDelivery(workers, reader)
+    delivery.start()
+    return delivery
+
+
 def make_lifespan(settings: Settings, pipeline: FacePipeline | None):
     """The app's lifespan: load the model (unless ``pipeline`` is given), connect the gallery,
     and close the Redis clients at shutdown."""
@@ -165,7 +197,9 @@ def make_lifespan(settings: Settings, pipeline: FacePipeline | None):
         manifest = app.state.pipeline.manifest
         log.info("model %s on %s", manifest.model_id, app.state.pipeline.embedder.provider)
         client = connect_gallery(app, settings)
+        delivery = start_events(app, settings, client)
         yield
+        await delivery.stop()
         client.close()
         app.state.redis_probe.close()
 
@@ -180,6 +214,7 @@ def add_routes(app: FastAPI, metrics: Metrics) -> None:
     app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read), strict])
     app.include_router(identify.router, prefix="/v1", dependencies=[strict])
     app.include_router(gallery.router, prefix="/v1", dependencies=[strict])
+    app.include_router(events.router, prefix="/v1", dependencies=[strict])
     add_page(app)
     install_openapi(app)
 
@@ -263,6 +298,7 @@ def create_app(settings: Settings | None = None, pipeline: FacePipeline | None =
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.webhooks = settings.webhook_endpoints()  # a bad entry refuses the start
     add_routes(app, metrics)
     add_middleware(app, settings, metrics)
     add_error_handlers(app)

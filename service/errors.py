@@ -53,6 +53,8 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "insufficient_scope": 403,
     "subject_not_found": 404,
     "face_not_found": 404,
+    "webhook_not_found": 404,
+    "dead_letter_not_found": 404,
     "no_face_image": 404,
     "subject_exists": 409,
     "duplicate_photo": 409,
@@ -64,6 +66,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "no_threshold": 422,
     "rate_limited": 429,
     "redis_setup_failed": 500,
+    "invalid_webhooks": 500,  # SPHEREFACE_WEBHOOKS is wrong: the service refuses to start
     "serve_running": 409,  # `sphereface serve` only: another serve holds the data folder
     "migration_refused": 409,  # `sphereface gallery migrate` only: the source or the cluster is not fit
     "migration_mismatch": 409,  # `sphereface gallery migrate` only: the copy differs from the source
@@ -116,6 +119,16 @@ class SubjectExistsError(ServiceError):
 
 class FaceNotFoundError(ServiceError):
     code = "face_not_found"
+
+
+class WebhookNotFoundError(ServiceError):
+    """No webhook of that name is configured (``SPHEREFACE_WEBHOOKS``)."""
+
+    code = "webhook_not_found"
+
+
+class DeadLetterNotFoundError(ServiceError):
+    code = "dead_letter_not_found"
 
 
 class NoFaceImageError(ServiceError):

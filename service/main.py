@@ -160,6 +160,7 @@ def serve(
     overrides = {k: v for k, v in flags.items() if v is not None}
     settings = Settings(**overrides)
     settings.check_redis()  # not both a URL and a cluster
+    settings.webhook_endpoints()  # a bad SPHEREFACE_WEBHOOKS entry refuses the start (invalid_webhooks)
     # One serve per data folder. With REDIS_URL the folder still holds what this process writes
     # (the workers' metrics, the bootstrap admin key), so it is locked too when it can be written;
     # several serves share one REDIS_URL (or cluster) with a data folder each.

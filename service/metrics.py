@@ -9,6 +9,8 @@
 * ``sphereface_gallery_subjects``, ``sphereface_gallery_faces``, ``sphereface_gallery_revision``:
   gauges set from a callback just before each scrape.
 * ``sphereface_faces_detected_total`` and ``sphereface_photo_errors_total{code}``.
+* ``sphereface_events_published_total{type}``, ``sphereface_events_dropped_total`` and
+  ``sphereface_webhook_deliveries_total{webhook, outcome}``: events out (:mod:`service.events`).
 
 Each :class:`Metrics` has its own registry, so several apps can live in one process. With
 several workers, set ``PROMETHEUS_MULTIPROC_DIR`` to an empty folder before the workers start:
@@ -102,6 +104,18 @@ class Metrics:
         self.faces_detected = Counter("sphereface_faces_detected", "Faces found in photos", registry=reg)
         self.photo_errors = Counter(
             "sphereface_photo_errors", "Photos rejected, by error code", ["code"], registry=reg
+        )
+        self.events_published = Counter(
+            "sphereface_events_published", "Events added to the event stream, by type", ["type"], registry=reg
+        )
+        self.events_dropped = Counter(
+            "sphereface_events_dropped", "Events lost: Redis refused their XADD to the stream", registry=reg
+        )
+        self.webhook_deliveries = Counter(
+            "sphereface_webhook_deliveries",
+            "Webhook delivery attempts by webhook and outcome: delivered, failed, dead_letter",
+            ["webhook", "outcome"],
+            registry=reg,
         )
         for stage in STAGES:  # every stage shows up, with zero counts, from the start
             self.stage_seconds.labels(stage=stage)

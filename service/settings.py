@@ -11,6 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from service.errors import RedisSetupError
+from service.events.delivery import RetryPolicy
+from service.events.webhooks import WebhookEndpoint, parse_webhooks
 
 
 class Settings(BaseSettings):
@@ -162,6 +164,42 @@ class Settings(BaseSettings):
         None, ge=1, description="requests an admin key may make at once (null: twice the rate)"
     )
 
+    # -- events out (docs/guides/events.md) ---------------------------------------------------
+    events_stream_maxlen: int = Field(
+        100_000,
+        ge=1000,
+        description="events kept in the Redis stream P{events}:stream (approximately: older ones are "
+        "trimmed as new ones come)",
+    )
+    events_identification: bool = Field(
+        False,
+        description="also an `identification` event for every /v1/identify answer (subject ids, "
+        "status and scores per face; no embeddings, no images)",
+    )
+    webhooks: str | None = Field(
+        None,
+        description="webhooks to deliver events to: a JSON list of {url, secret, events?, name?}, or "
+        "the path of a file holding one; a bad entry refuses the start (invalid_webhooks)",
+    )
+    webhook_timeout: float = Field(
+        10.0, gt=0, le=300, description="seconds a delivery waits to connect and per read"
+    )
+    webhook_retry_initial: float = Field(
+        1.0, gt=0, description="seconds before the first retry of a failed delivery; then doubling"
+    )
+    webhook_retry_max: float = Field(
+        300.0, gt=0, description="the longest wait between two delivery attempts"
+    )
+    webhook_max_attempts: int = Field(
+        8, ge=1, le=100, description="delivery attempts before an event goes to the webhook's dead letters"
+    )
+    webhook_claim_idle: float = Field(
+        60.0,
+        gt=0,
+        description="seconds an event a process was delivering waits, that process gone, before "
+        "another process takes it over",
+    )
+
     # -- process ----------------------------------------------------------------------------
     workers: int = Field(1, ge=1)
 
@@ -213,6 +251,19 @@ class Settings(BaseSettings):
                 )
             nodes.append((host, int(port)))
         return nodes
+
+    def webhook_endpoints(self) -> list[WebhookEndpoint]:
+        """The endpoints of :attr:`webhooks` (WebhookConfigError naming a bad entry)."""
+        return parse_webhooks(self.webhooks)
+
+    def retry_policy(self) -> RetryPolicy:
+        """How webhook deliveries are timed and retried."""
+        return RetryPolicy(
+            timeout=self.webhook_timeout,
+            initial=self.webhook_retry_initial,
+            maximum=self.webhook_retry_max,
+            max_attempts=self.webhook_max_attempts,
+        )
 
     @property
     def gallery_snapshot_dir(self) -> Path | None:

@@ -10,7 +10,7 @@ import pytest
 from fastapi import APIRouter
 
 from service.app import create_app
-from service.routes import faces, gallery, health, identify, page
+from service.routes import events, faces, gallery, health, identify, page
 
 #: (method, path) -> operationId, for every operation of the API.
 OPERATIONS = {
@@ -31,6 +31,9 @@ OPERATIONS = {
     ("get", "/v1/faces/{face_id}/image"): "get_face_image",
     ("post", "/v1/enroll"): "enroll",
     ("get", "/v1/key"): "get_key",
+    ("get", "/v1/events/dead-letters"): "list_dead_letters",
+    ("post", "/v1/events/dead-letters/{webhook}/{letter_id}/redeliver"): "redeliver_dead_letter",
+    ("delete", "/v1/events/dead-letters/{webhook}/{letter_id}"): "delete_dead_letter",
 }
 METHOD_SUFFIX = re.compile(r"_(get|post|put|patch|delete|head|options)$")
 
@@ -59,7 +62,7 @@ def test_every_operation_has_exactly_one_tag(operations):
         assert len(op.get("tags", [])) == 1, (key, op.get("tags"))
 
 
-@pytest.mark.parametrize("module", [faces, gallery, health, identify, page], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [events, faces, gallery, health, identify, page], ids=lambda m: m.__name__)
 def test_each_router_declares_one_tag_for_all_its_routes(module):
     router: APIRouter = module.router
     assert len(router.tags) == 1

@@ -15,6 +15,14 @@ from service.errors import (
     ServiceError,
     TooManyPhotosError,
 )
+from service.events.stream import (
+    FACE_DELETED,
+    FACE_ENROLLED,
+    SUBJECT_CREATED,
+    SUBJECT_DELETED,
+    Event,
+    EventStream,
+)
 from service.gallery.store import (
     FaceRecord,
     GalleryStore,
@@ -71,7 +79,13 @@ async def get_model_id(request: Request) -> str:
     return request.app.state.pipeline.manifest.model_id
 
 
+async def get_events(request: Request) -> EventStream:
+    """The event stream that acknowledged gallery changes are appended to."""
+    return request.app.state.events
+
+
 Store = Annotated[GalleryStore, Depends(get_store)]
+Events = Annotated[EventStream, Depends(get_events)]
 ModelId = Annotated[str, Depends(get_model_id)]
 
 
@@ -95,9 +109,11 @@ def _face(face: FaceRecord) -> FaceOut:
     dependencies=[Depends(require_admin)],
     summary="Create a subject (a person of the gallery)",
 )
-def create_subject(store: Store, body: SubjectCreate) -> SubjectOut:
+def create_subject(store: Store, events: Events, body: SubjectCreate) -> SubjectOut:
     """Errors: `subject_exists` (409), `invalid_request` (422: bad id)."""
-    return _subject(store.create_subject(body.id, body.name, body.metadata))
+    subject = store.create_subject(body.id, body.name, body.metadata)
+    events.emit(SUBJECT_CREATED, {"subject_id": subject.id})
+    return _subject(subject)
 
 
 @router.get(
@@ -158,8 +174,10 @@ def update_subject(store: Store, model_id: ModelId, subject_id: SubjectId, body:
     dependencies=[Depends(require_admin)],
     summary="Delete a subject and all its faces",
 )
-def delete_subject(store: Store, subject_id: SubjectId) -> SubjectDeleted:
-    return SubjectDeleted(id=subject_id, faces_removed=store.delete_subject(subject_id))
+def delete_subject(store: Store, events: Events, subject_id: SubjectId) -> SubjectDeleted:
+    removed = store.delete_subject(subject_id)
+    events.emit(SUBJECT_DELETED, {"subject_id": subject_id, "faces_removed": removed})
+    return SubjectDeleted(id=subject_id, faces_removed=removed)
 
 
 # -- faces --------------------------------------------------------------------------------------
@@ -176,6 +194,7 @@ def delete_subject(store: Store, subject_id: SubjectId) -> SubjectDeleted:
 async def add_faces(
     request: Request,
     store: Store,
+    events: Events,
     work: Annotated[FaceWork, Depends(get_face_work)],
     subject_id: SubjectId,
     multiple_faces: EnrollPolicy = "reject",
@@ -194,7 +213,7 @@ async def add_faces(
         uploads = [(subject_id, u) for u in form_files(body, "photos")]
         filenames = {index: upload.filename for index, (_, upload) in enumerate(uploads)}
         ready, failed = await work.in_turn(_photos_ready, work, uploads, multiple_faces)
-    return await work.off_turn(_store, store, work, ready, failed, filenames, False)
+    return await work.off_turn(_store, store, events, work, ready, failed, filenames, False)
 
 
 @router.get(
@@ -230,8 +249,9 @@ def list_faces(
     dependencies=[Depends(require_admin)],
     summary="Delete one face",
 )
-def delete_face(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> FaceDeleted:
+def delete_face(store: Store, events: Events, face_id: Annotated[str, Path(max_length=64)]) -> FaceDeleted:
     store.delete_face(face_id)
+    events.emit(FACE_DELETED, {"face_id": face_id})
     return FaceDeleted(id=face_id)
 
 
@@ -277,6 +297,7 @@ def face_image(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> Re
 async def enroll(
     request: Request,
     store: Store,
+    events: Events,
     work: Annotated[FaceWork, Depends(get_face_work)],
     multiple_faces: EnrollPolicy = "reject",
     create_subjects: Annotated[bool, Query(description="create subjects that do not exist yet")] = False,
@@ -312,7 +333,20 @@ async def enroll(
     else:
         filenames = {index: upload.filename for index, upload in enumerate(payload)}
         ready, failed = await work.in_turn(_photos_ready, work, items, multiple_faces)
-    return await work.off_turn(_store, store, work, ready, failed, filenames, create_subjects)
+    return await work.off_turn(_store, store, events, work, ready, failed, filenames, create_subjects)
+
+
+def _enrolled_events(outcomes: list[FaceRecord | ServiceError]) -> list[Event]:
+    """``subject.created`` for each subject made with its first face, then ``face.enrolled`` for
+    every face stored, in the order of the request."""
+    events = []
+    for outcome in outcomes:
+        if isinstance(outcome, FaceRecord):
+            if outcome.subject_created:
+                events.append(Event(SUBJECT_CREATED, {"subject_id": outcome.subject_id}))
+            data = {"subject_id": outcome.subject_id, "face_id": outcome.id, "model": outcome.model_id}
+            events.append(Event(FACE_ENROLLED, {**data, "source": outcome.source}))
+    return events
 
 
 def check_embedding_sizes(vectors: list[list[float]], size: int) -> None:
@@ -377,6 +411,7 @@ def _photos_ready(work: FaceWork, items, policy: str) -> tuple[Ready, list[Enrol
 
 def _store(
     store: GalleryStore,
+    events: EventStream,
     work: FaceWork,
     ready: Ready,
     results: list[EnrollItem],
@@ -384,7 +419,8 @@ def _store(
     create_subjects: bool,
 ) -> EnrollResponse:
     """Write the enrollable faces in one round trip (``create_subjects``: a missing subject is
-    created with its first face stored) and merge their outcomes with the failures."""
+    created with its first face stored) and merge their outcomes with the failures; what was
+    stored then goes on the event stream."""
     with work.metrics.stage("redis"):
         outcomes = store.add_faces_bulk(
             [(s, f) for _, s, f in ready], work.pipeline.manifest.model_id, create_subjects=create_subjects
@@ -400,6 +436,7 @@ def _store(
                 created.append(subject_id)
         results.append(item)
     results.sort(key=lambda item: item.index)
+    events.publish(_enrolled_events(outcomes))
     enrolled = sum(item.status == "ok" for item in results)
     return EnrollResponse(
         model_id=work.pipeline.manifest.model_id,

@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.auth import require_read
 from service.errors import ServiceError
+from service.events.stream import IDENTIFICATION, EventStream
 from service.gallery.index import SubjectHit
 from service.gallery.store import check_embedding
 from service.routes.common import (
@@ -74,7 +75,7 @@ async def identify(
         detected, vectors = await work.in_turn(_detect_and_embed, work, upload, faces)
     state = request.app.state
     results, names, searched = await work.off_turn(_search, state, work, vectors, k)
-    return IdentifyResponse(
+    answer = IdentifyResponse(
         model_id=manifest.model_id,
         threshold=chosen[0],
         threshold_far=chosen[1],
@@ -85,6 +86,28 @@ async def identify(
             _identified(face, hits, names, chosen[0]) for face, hits in zip(detected, results, strict=True)
         ],
     )
+    events: EventStream = state.events
+    if events.identification:
+        await work.off_turn(events.emit, IDENTIFICATION, identification_data(answer))
+    return answer
+
+
+def identification_data(answer: IdentifyResponse) -> dict:
+    """The ``identification`` event's data: per face its status, subject and candidates' ids and
+    scores (no embeddings, no images, no boxes)."""
+    return {
+        "model": answer.model_id,
+        "threshold": answer.threshold,
+        "faces": [
+            {
+                "status": face.status,
+                "subject_id": face.subject_id,
+                "score": face.score,
+                "candidates": [{"subject_id": c.subject_id, "score": c.score} for c in face.candidates],
+            }
+            for face in answer.faces
+        ],
+    }
 
 
 def _threshold(work: FaceWork, threshold: float | None) -> tuple[float, float | None, str | None]:
