@@ -100,7 +100,7 @@ def stand_in_pipeline() -> SimpleNamespace:
     return SimpleNamespace(manifest=manifest, embedder=SimpleNamespace(provider="CPUExecutionProvider"))
 
 
-def service(redis_url: str, webhooks: list[dict], **settings) -> TestClient:
+def service(redis_url: str | None, webhooks: list[dict], **settings) -> TestClient:
     """The app with its own key prefix (a fresh gallery and stream) and fast retries."""
     values = {
         "redis_url": redis_url,
@@ -341,3 +341,20 @@ def test_the_receiver_example_of_the_events_guide_verifies_real_deliveries():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_on_a_redis_cluster_events_are_made_and_delivered_through_the_cluster_client(
+    redis_cluster, receiver_factory
+):
+    receiver = receiver_factory([200])
+    with service(None, [hook(receiver)], redis_cluster=redis_cluster.startup_nodes) as client:
+        assert client.post("/v1/subjects", json={"id": "fay"}, headers=ADMIN).status_code == 201
+        face = enroll(client, "fay", [0.0, 0.0, 1.0, 0.0])
+        receiver.wait_for(lambda: receiver.events("face.enrolled"))
+        prefix = client.app.state.settings.redis_prefix
+    assert receiver.events("face.enrolled")[0]["data"]["face_id"] == face["id"]
+    cluster = redis_cluster.client()
+    try:
+        assert cluster.xlen(events_key(prefix, "stream")) == 2  # subject.created, face.enrolled
+    finally:
+        cluster.close()
