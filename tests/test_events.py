@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from service.app import create_app
 from service.events.delivery import RetryPolicy, WebhookWorker, post_event
@@ -239,7 +241,7 @@ def test_the_stream_is_readable_and_a_refused_xadd_is_counted_not_raised(module_
     assert events_key(prefix, "stream") == f"{prefix}{{events}}:stream"  # one cluster slot
 
     metrics = Metrics()
-    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    down = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
     assert EventStream(down, prefix, metrics=metrics).emit("face.deleted", {"face_id": "f2"}) is False
     assert metrics.registry.get_sample_value("sphereface_events_dropped_total") == 1.0
 
