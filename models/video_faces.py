@@ -1,0 +1,153 @@
+"""A video's faces, frame by frame: detect, track, embed only what the tracker asks for, and time
+each stage. The gallery search that decides a track is the caller's (:class:`TrackDecider`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.align import align_faces
+from models.mtcnn import DetectedFace
+from models.pipeline import FacePipeline
+from models.tracking import FaceTracker, Track, TrackerSettings, face_quality
+from models.video import VideoFrame
+
+#: ``quality(face, crop) -> 0..1``: how far a detected face (with its aligned crop) can be trusted.
+QualityFn = Callable[[DetectedFace, np.ndarray], float]
+
+
+def default_quality(face: DetectedFace, crop: np.ndarray) -> float:
+    """:func:`models.tracking.face_quality` on the crop's side."""
+    return face_quality(np.asarray(face.box, np.float64), float(face.score), crop_side=int(crop.shape[0]))
+
+
+@dataclass
+class StageTimes:
+    """Seconds spent per stage, and what was counted."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: {"detect": 0.0, "embed": 0.0, "track": 0.0})
+    frames: int = 0
+    faces: int = 0
+    embedded: int = 0
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+class VideoFaces:
+    """Faces of the sampled frames of one video, tracked.
+
+    Args:
+        pipeline: the detector, aligner and embedder.
+        settings: the tracker's rule.
+        quality: a face's quality (default: detection score and size, :func:`default_quality`).
+        audit: embed every face and keep ``(time_s, box, embedding)`` of each here, while the
+            tracker still gets only the embeddings its rule asks for (the benchmark's per-frame
+            decisions); None: embed only those.
+    """
+
+    def __init__(
+        self,
+        pipeline: FacePipeline,
+        settings: TrackerSettings,
+        quality: QualityFn = default_quality,
+        audit: list | None = None,
+    ) -> None:
+        self.audit = audit
+        self.pipeline = pipeline
+        self.tracker = FaceTracker(settings)
+        self.quality = quality
+        self.times = StageTimes()
+        self.ended: list[Track] = []
+
+    def frame(self, frame: VideoFrame) -> tuple[list[Track], list[Track]]:
+        """One sampled frame through detection, tracking and embedding; the tracks it started
+        and ended."""
+        clock = time.perf_counter()
+        found = self.pipeline.detector.detect(frame.image)
+        self.times.add("detect", time.perf_counter() - clock)
+        self.times.frames += 1
+        self.times.faces += len(found)
+        if not found:
+            return self._update(frame, [], np.zeros((0, 4)), [], [])
+        boxes = np.stack([np.asarray(f.box, np.float64) for f in found])
+        crops = align_faces(frame.image, np.stack([f.landmarks for f in found]), self.pipeline.template)
+        qualities = [self.quality(f, crops[d]) for d, f in enumerate(found)]
+        return self._update(frame, found, boxes, qualities, crops)
+
+    def _update(self, frame: VideoFrame, found, boxes: np.ndarray, qualities: list[float], crops):
+        clock = time.perf_counter()
+        plan = self.tracker.plan(frame.index, boxes, qualities)
+        self.times.add("track", time.perf_counter() - clock)
+        embeddings: list[np.ndarray | None] = [None] * len(found)
+        if self.audit is not None and len(found):
+            every = self.pipeline.embed_aligned(crops)
+            self.audit.extend((frame.time_s, boxes[d], every[d]) for d in range(len(found)))
+            for d in plan.embed:
+                embeddings[d] = every[d]
+        elif plan.embed:
+            clock = time.perf_counter()
+            vectors = self.pipeline.embed_aligned(crops[plan.embed])
+            self.times.add("embed", time.perf_counter() - clock)
+            self.times.embedded += len(plan.embed)
+            for d, v in zip(plan.embed, vectors, strict=True):
+                embeddings[d] = v
+        clock = time.perf_counter()
+        scores = [float(f.score) for f in found]
+        changed = self.tracker.update(plan, frame.index, frame.time_s, boxes, scores, qualities, embeddings)
+        self.times.add("track", time.perf_counter() - clock)
+        self.ended.extend(changed[1])
+        return changed
+
+    def finish(self) -> list[Track]:
+        """End the live tracks (the video ended); every track of the video, in the order they started."""
+        self.ended.extend(self.tracker.finish())
+        return sorted(self.ended, key=lambda t: t.id)
+
+
+@dataclass
+class TrackDecision:
+    """A track's one decision: ``status`` known or unknown, the subject when known, the best
+    score, and the candidates ``(subject_id, score, face_id)`` best first."""
+
+    track: Track
+    status: str
+    subject_id: str | None
+    score: float | None
+    candidates: list = field(default_factory=list)
+
+
+#: ``search(vectors (N x D), k) -> per vector, hits with .subject_id, .score, .face_id, best first``
+SearchFn = Callable[[np.ndarray, int], list[list]]
+
+
+def decide_tracks(
+    tracks: list[Track], search: SearchFn, threshold: float, settings: TrackerSettings, k: int = 1
+) -> tuple[list[TrackDecision], int]:
+    """One decision per track of at least ``settings.min_faces`` faces, from the mean of its best
+    ``settings.best_n`` embedded faces (:meth:`Track.decision_embedding`); known when the best
+    subject's cosine reaches ``threshold``. Returns the decisions and the number of tracks too
+    short to decide."""
+    kept = [t for t in tracks if len(t.faces) >= settings.min_faces and t.best(1)]
+    if not kept:
+        return [], len(tracks)
+    vectors = np.stack([t.decision_embedding(settings.best_n) for t in kept]).astype(np.float32)
+    results = search(vectors, k)
+    decisions = []
+    for track, hits in zip(kept, results, strict=True):
+        best = hits[0] if hits else None
+        known = best is not None and best.score >= threshold
+        decisions.append(
+            TrackDecision(
+                track,
+                "known" if known else "unknown",
+                best.subject_id if known else None,
+                float(best.score) if best is not None else None,
+                list(hits),
+            )
+        )
+    return decisions, len(tracks) - len(kept)
