@@ -2,9 +2,9 @@
 
 The rule, per sampled frame (numpy only; the caller detects, embeds and searches):
 
-1. **By box.** Every live track is paired with the detection whose box overlaps its last box most,
-   greedily from the largest overlap, when the intersection over union is at least
-   ``TrackerSettings.box_iou``.
+1. **By box.** Every live track seen within ``box_gap_s`` is paired with the detection whose box
+   overlaps its last box most, greedily from the largest overlap, when the intersection over
+   union is at least ``TrackerSettings.box_iou``.
 2. **What to embed.** A detection without a pair is always embedded. A paired one is embedded only
    when its track still wants it: the track has fewer than ``best_n`` embedded faces, the face is
    better (:func:`face_quality`) than the worst of the track's best ``best_n``, or ``reembed_every``
@@ -13,7 +13,7 @@ The rule, per sampled frame (numpy only; the caller detects, embeds and searches
 3. **By likeness.** A paired face whose embedding is less like its track's mean than
    ``split_cosine`` starts a track of its own (another person stepped into the box). A face
    without a pair joins the live track (unpaired this frame) whose mean it is most like, at least
-   ``join_cosine``: a person who was missed for a few frames, or moved fast.
+   ``join_cosine``: a person who was missed for a few frames (blurred, turned away), or moved fast.
 4. **Ends.** A track not seen for ``max_gap_s`` seconds of the video's clock ends.
 
 A track's decision (made by the caller, :func:`Track.decision_embedding`) uses its best
@@ -35,7 +35,8 @@ class TrackerSettings:
     box_iou: float = 0.3
     join_cosine: float = 0.5
     split_cosine: float = 0.2
-    max_gap_s: float = 1.0
+    box_gap_s: float = 0.5
+    max_gap_s: float = 3.0
     best_n: int = 5
     min_faces: int = 3
     reembed_every: int = 10
@@ -166,7 +167,7 @@ class FramePlan:
 class FaceTracker:
     """Tracks faces over a video's sampled frames (see the module for the rule).
 
-    Use per frame: ``plan = tracker.plan(frame, boxes, scores, qualities)``, embed the faces
+    Use per frame: ``plan = tracker.plan(frame, time_s, boxes, qualities)``, embed the faces
     ``plan.embed`` names, then ``started, ended = tracker.update(plan, frame, time_s, boxes,
     scores, qualities, embeddings)`` with ``embeddings[d]`` None for a face not embedded; at the
     end, :meth:`finish` ends the live tracks."""
@@ -176,13 +177,14 @@ class FaceTracker:
         self.live: list[Track] = []
         self.next_id = 1
 
-    def plan(self, frame: int, boxes: np.ndarray, qualities: list[float]) -> FramePlan:
+    def plan(self, frame: int, time_s: float, boxes: np.ndarray, qualities: list[float]) -> FramePlan:
         """Pair detections with live tracks by box and say which to embed (rules 1 and 2)."""
         pairs: list[Track | None] = [None] * len(qualities)
-        if self.live and len(qualities):
-            last = np.stack([t.last.box for t in self.live])
+        recent = [t for t in self.live if time_s - t.end_s <= self.settings.box_gap_s]
+        if recent and len(qualities):
+            last = np.stack([t.last.box for t in recent])
             for t, d in greedy_pairs(box_iou(last, boxes), self.settings.box_iou):
-                pairs[d] = self.live[t]
+                pairs[d] = recent[t]
         embed = [
             d
             for d, track in enumerate(pairs)

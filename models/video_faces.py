@@ -81,7 +81,7 @@ class VideoFaces:
 
     def _update(self, frame: VideoFrame, found, boxes: np.ndarray, qualities: list[float], crops):
         clock = time.perf_counter()
-        plan = self.tracker.plan(frame.index, boxes, qualities)
+        plan = self.tracker.plan(frame.index, frame.time_s, boxes, qualities)
         self.times.add("track", time.perf_counter() - clock)
         embeddings: list[np.ndarray | None] = [None] * len(found)
         if self.audit is not None and len(found):

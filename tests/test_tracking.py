@@ -25,7 +25,7 @@ def run(tracker: FaceTracker, frames: list[list[tuple[str, list[float]]]], fps: 
     for i, faces in enumerate(frames):
         boxes = np.array([b for _, b in faces], np.float64).reshape(-1, 4)
         qualities = [0.9] * len(faces)
-        plan = tracker.plan(i, boxes, qualities)
+        plan = tracker.plan(i, i / fps, boxes, qualities)
         embeddings = [seen(faces[d][0]) if d in plan.embed else None for d in range(len(faces))]
         embedded += len(plan.embed)
         started, ended = tracker.update(plan, i, i / fps, boxes, [0.99] * len(faces), qualities, embeddings)
@@ -69,13 +69,13 @@ def test_someone_else_in_the_same_box_starts_a_new_track():
 
 
 def test_a_short_gap_rejoins_by_likeness_and_a_long_one_ends_the_track():
-    gap = [[]] * 3  # 0.6 s at 5 fps: shorter than max_gap_s = 1
+    gap = [[]] * 10  # 2 s at 5 fps: shorter than max_gap_s = 3
     frames = (
-        [[("ann", box(100))]] * 5 + gap + [[("ann", box(400))]] * 5 + [[]] * 8 + [[("ann", box(100))]] * 5
+        [[("ann", box(100))]] * 5 + gap + [[("ann", box(400))]] * 5 + [[]] * 20 + [[("ann", box(100))]] * 5
     )
     tracks, _ = run(FaceTracker(TrackerSettings(join_cosine=0.8, split_cosine=0.5)), frames)
     assert [len(t.faces) for t in tracks] == [10, 5]
-    assert tracks[0].end_s - tracks[0].start_s > 2.0
+    assert tracks[0].end_s - tracks[0].start_s > 3.0
 
 
 def test_face_quality_grows_with_size_and_detection_score():
