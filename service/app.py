@@ -37,7 +37,7 @@ from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
 from service.redis_clients import gallery_client, redis_client  # noqa: F401  (redis_client: for callers)
-from service.routes import events, faces, gallery, health, identify
+from service.routes import events, faces, gallery, health, identify, video
 from service.routes.common import reject_unknown_query
 from service.routes.page import add_page
 from service.settings import Settings
@@ -213,6 +213,7 @@ def add_routes(app: FastAPI, metrics: Metrics) -> None:
     strict = Depends(reject_unknown_query)
     app.include_router(faces.router, prefix="/v1", dependencies=[Depends(require_read), strict])
     app.include_router(identify.router, prefix="/v1", dependencies=[strict])
+    app.include_router(video.router, prefix="/v1", dependencies=[strict])
     app.include_router(gallery.router, prefix="/v1", dependencies=[strict])
     app.include_router(events.router, prefix="/v1", dependencies=[strict])
     add_page(app)

@@ -9,10 +9,11 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``serve``, ``keys`` and ``gallery`` to the ``sphereface`` parser."""
+    """Add ``serve``, ``keys``, ``gallery`` and ``watch`` to the ``sphereface`` parser."""
     _add_serve(sub)
     _add_keys(sub)
     _add_gallery(sub)
+    _add_watch(sub)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -228,4 +229,56 @@ def _run_migrate(args: argparse.Namespace) -> int:
     print(report.summary())
     if report.complete and report.faces_renamed:
         print(f"face ids: {id_map}")
+    return 0
+
+
+def _add_watch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="identify the people in a video file, stream or camera, one decision per track",
+        description="Samples frames of SOURCE (a file, an rtsp:// or http(s):// stream, or a device such "
+        "as /dev/video0), follows faces across frames and decides each track against the gallery "
+        "(the Redis of SPHEREFACE_REDIS_URL / --redis-url, or the local one of --data-dir). Each "
+        "decided track is printed as a line of JSON when it ends, and track.started / track.ended "
+        "events go to the event stream (docs/guides/video.md). A stream is opened again after a "
+        "break, waiting 1 s, then twice as long each time; a file is read once.",
+    )
+    p.add_argument("source", help="video file, stream URL or device")
+    p.add_argument("--model", default=None, help="model name or folder (default: the service's)")
+    p.add_argument("--data-dir", default=None, help="the service's data folder (default .sphereface)")
+    p.add_argument("--redis-url", default=None, help="the gallery's Redis (default: REDIS_URL)")
+    p.add_argument("--sample-fps", type=float, default=None, help="frames per second (default 5)")
+    p.add_argument(
+        "--min-faces", type=int, default=None, help="faces a track needs for a decision (default 3)"
+    )
+    p.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: the model's)")
+    p.add_argument("--reconnect-max", type=float, default=60.0, help="longest wait between reconnects, s")
+    p.add_argument(
+        "--max-reconnects", type=int, default=10, help="failed reconnects in a row before giving up"
+    )
+    p.add_argument("--no-events", action="store_true", help="send no events")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=_run_watch)
+
+
+def _run_watch(args: argparse.Namespace) -> int:
+    from service.app import load_pipeline
+    from service.settings import Settings
+    from service.watch import Watcher, WatchOptions, gallery_search
+
+    overrides = {"data_dir": args.data_dir, "model": args.model, "redis_url": args.redis_url}
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    options = WatchOptions(
+        args.source, sample_fps=args.sample_fps, min_faces=args.min_faces, threshold=args.threshold,
+        reconnect_max_s=args.reconnect_max, max_reconnects=args.max_reconnects, progress=not args.quiet,
+    )  # fmt: skip
+    pipeline = load_pipeline(settings)
+    with gallery_search(settings, pipeline.manifest) as (search, names, events):
+        watcher = Watcher(pipeline, search, names, None if args.no_events else events, settings, options,
+                          sys.stdout)  # fmt: skip
+        try:
+            watcher.run()
+        except KeyboardInterrupt:
+            pass
+    print(f"{watcher.decided} tracks decided, {watcher.known} known", file=sys.stderr)
     return 0

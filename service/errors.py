@@ -27,6 +27,10 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "face_path_error": 400,
     "unreadable_image": 422,
     "image_too_large": 413,
+    "unreadable_video": 422,
+    "video_too_large": 413,
+    "video_too_long": 422,
+    "missing_dependency": 500,  # an optional package (e.g. PyAV for video) is not installed
     "no_face": 422,
     "multiple_faces": 422,
     "invalid_model": 500,

@@ -319,3 +319,45 @@ class IdentifyResponse(BaseModel):
     k: int
     gallery_faces: int = Field(description="faces of this model searched")
     faces: list[IdentifiedFace]
+
+
+class TrackFace(BaseModel):
+    frame: int = Field(description="the sampled frame's number (0 is the first sampled frame)")
+    time_s: float = Field(description="seconds from the video's first frame")
+    box: list[float] = Field(description="x1, y1, x2, y2 in pixels of the frame")
+    quality: float = Field(ge=0, le=1, description="how far the face can be trusted (0-1)")
+
+
+class VideoTrack(BaseModel):
+    track_id: int = Field(description="1, 2, ... in the order the tracks started")
+    status: Literal["known", "unknown"] = Field(
+        description="known: the track's best faces reach the threshold for `subject_id`; "
+        "unknown: no subject does"
+    )
+    subject_id: str | None = Field(description="the subject when known")
+    name: str | None = None
+    score: float | None = Field(description="cosine of the best subject to the track's decision embedding")
+    candidates: list[Candidate] = Field(description="top-k subjects, best first")
+    start_s: float
+    end_s: float
+    faces: int = Field(description="faces of the track (one per sampled frame it is seen in)")
+    decided_on: int = Field(description="faces whose mean embedding made the decision (its best ones)")
+    best_face: TrackFace
+    path: list[TrackFace] = Field(description="the track's faces in order: its boxes over time")
+
+
+class VideoIdentifyResponse(BaseModel):
+    model_id: str
+    threshold: float
+    threshold_far: float | None
+    threshold_source: str | None
+    k: int
+    sample_fps: float = Field(description="frames sampled per second of video")
+    frames: int = Field(description="frames sampled")
+    duration_s: float = Field(description="time of the last sampled frame")
+    faces: int = Field(description="faces detected in all sampled frames")
+    embedded: int = Field(description="faces embedded (tracking skips faces its track does not need)")
+    short_tracks: int = Field(
+        description="tracks of fewer than `min_faces` faces, left undecided and unlisted"
+    )
+    tracks: list[VideoTrack]

@@ -200,6 +200,21 @@ class Settings(BaseSettings):
         "another process takes it over",
     )
 
+    # -- video (docs/guides/video.md) ----------------------------------------------------------
+    max_video_bytes: int = Field(64 * 1024 * 1024, gt=0, description="per clip of /v1/identify/video")
+    max_video_seconds: float = Field(120.0, gt=0, le=3600, description="longest clip accepted")
+    max_video_frames: int = Field(
+        600, gt=0, description="most frames sampled from one clip (duration x sample rate)"
+    )
+    max_video_frame_pixels: int = Field(1920 * 1088, gt=0, description="most pixels in one frame")
+    video_sample_fps: float = Field(5.0, gt=0, le=30, description="frames sampled per second of video")
+    track_min_faces: int = Field(
+        3, ge=1, description="a track of fewer faces gets no decision (a face seen for an instant)"
+    )
+    track_best_faces: int = Field(
+        5, ge=1, description="a track is decided on the mean embedding of this many of its best faces"
+    )
+
     # -- process ----------------------------------------------------------------------------
     workers: int = Field(1, ge=1)
 

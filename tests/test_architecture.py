@@ -195,7 +195,7 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path):
 USER_COMMANDS = {
     "import", "quantize", "models",
     "prepare", "train", "export", "combine", "evaluate", "calibrate", "report",
-    "serve", "keys", "gallery",
+    "serve", "keys", "gallery", "watch",
 }  # fmt: skip
 
 

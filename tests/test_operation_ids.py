@@ -20,6 +20,7 @@ OPERATIONS = {
     ("post", "/v1/embed"): "embed",
     ("post", "/v1/verify"): "verify",
     ("post", "/v1/identify"): "identify",
+    ("post", "/v1/identify/video"): "identify_video",
     ("post", "/v1/subjects"): "create_subject",
     ("get", "/v1/subjects"): "list_subjects",
     ("get", "/v1/subjects/{subject_id}"): "get_subject",

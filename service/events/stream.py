@@ -34,8 +34,12 @@ SUBJECT_DELETED = "subject.deleted"
 FACE_ENROLLED = "face.enrolled"
 FACE_DELETED = "face.deleted"
 IDENTIFICATION = "identification"
+TRACK_STARTED = "track.started"
+TRACK_ENDED = "track.ended"
 #: Every event type, in the order the docs list them.
-EVENT_TYPES = (SUBJECT_CREATED, SUBJECT_DELETED, FACE_ENROLLED, FACE_DELETED, IDENTIFICATION)
+EVENT_TYPES = (
+    SUBJECT_CREATED, SUBJECT_DELETED, FACE_ENROLLED, FACE_DELETED, IDENTIFICATION, TRACK_STARTED, TRACK_ENDED
+)  # fmt: skip
 
 
 def events_key(prefix: str, name: str) -> str:
@@ -129,3 +133,7 @@ class EventStream:
     def emit(self, event_type: str, data: dict[str, Any]) -> bool:
         """Publish one event of ``event_type`` with ``data``."""
         return self.publish([Event(event_type, data)])
+
+    def publish_many(self, event_type: str, data: Sequence[dict[str, Any]]) -> bool:
+        """Publish one event of ``event_type`` per item of ``data``, in one round trip."""
+        return self.publish([Event(event_type, d) for d in data])

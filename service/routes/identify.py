@@ -64,7 +64,7 @@ async def identify(
     `unknown`. The threshold is the model's `identification` threshold (calibrated for a
     false-accept rate of 1e-4 per comparison), else its `verification` one."""
     body = await read_body(request, FaceEmbeddings, max_files=1)
-    chosen = _threshold(work, threshold)
+    chosen = chosen_threshold(work, threshold)
     k = k or work.settings.identify_top_k
     manifest = work.pipeline.manifest
     if isinstance(body, FaceEmbeddings):
@@ -110,7 +110,7 @@ def identification_data(answer: IdentifyResponse) -> dict:
     }
 
 
-def _threshold(work: FaceWork, threshold: float | None) -> tuple[float, float | None, str | None]:
+def chosen_threshold(work: FaceWork, threshold: float | None) -> tuple[float, float | None, str | None]:
     """The cosine threshold (value, false-accept rate, source): the request's, else the model's
     identification threshold, else its verification one (422 ``no_threshold`` without any)."""
     if threshold is not None:
