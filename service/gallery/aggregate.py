@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from models.face_aggregation import subject_score
-from service.errors import SubjectNotFoundError
 from service.gallery.index import SubjectHit
 from service.gallery.store import FaceRecord
 
@@ -24,21 +23,20 @@ def shortlist_size(k: int) -> int:
 def rerank(
     queries: np.ndarray,
     shortlists: Sequence[list[SubjectHit]],
-    faces_of: Callable[[str], list[FaceRecord]],
+    faces_of: Callable[[list[str]], dict[str, list[FaceRecord]]],
     how: str,
     k: int,
 ) -> list[list[SubjectHit]]:
     """The top ``k`` subjects of each query by ``how``, among its shortlist; each hit names the
-    subject's best-matching face. ``faces_of(subject_id)``: the subject's faces of the served
-    model with their embeddings (read once per subject, whatever the number of queries)."""
-    known: dict[str, tuple[list[str], np.ndarray, np.ndarray]] = {}
+    subject's best-matching face. ``faces_of(subject_ids)``: each subject's faces of the served
+    model with their embeddings (one call for every subject of every shortlist)."""
+    wanted = sorted({hit.subject_id for hits in shortlists for hit in hits})
+    known = {subject_id: _arrays(faces) for subject_id, faces in faces_of(wanted).items()}
     answers = []
     for query, hits in zip(queries, shortlists, strict=True):
         scored = []
         for hit in hits:
-            if hit.subject_id not in known:
-                known[hit.subject_id] = _faces(faces_of, hit.subject_id)
-            ids, vectors, qualities = known[hit.subject_id]
+            ids, vectors, qualities = known.get(hit.subject_id) or _arrays([])
             if not ids:
                 continue  # deleted since the search
             cosines = vectors @ np.asarray(query, dtype=np.float32)
@@ -48,12 +46,9 @@ def rerank(
     return answers
 
 
-def _faces(faces_of: Callable[[str], list[FaceRecord]], subject_id: str):
+def _arrays(faces: list[FaceRecord]) -> tuple[list[str], np.ndarray, np.ndarray]:
     """The ids, unit embeddings and qualities (NaN where unknown) of a subject's faces."""
-    try:
-        faces = [f for f in faces_of(subject_id) if f.embedding is not None]
-    except SubjectNotFoundError:
-        faces = []
+    faces = [f for f in faces if f.embedding is not None]
     if not faces:
         return [], np.zeros((0, 1), np.float32), np.zeros(0)
     return (

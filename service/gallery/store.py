@@ -760,6 +760,27 @@ class GalleryStore:
         faces = [f for f in (self._face(i, v) for i, v in zip(ids, replies, strict=True)) if f is not None]
         return sorted(faces, key=lambda f: (f.created_at, f.id))
 
+    @retried_read
+    def faces_of_subjects(
+        self, subject_ids: Sequence[str], *, with_embedding: bool = False
+    ) -> dict[str, list[FaceRecord]]:
+        """The faces of several subjects in two pipelined round trips (a subject that does not
+        exist has none), each subject's oldest first."""
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for subject_id in subject_ids:
+                pipe.smembers(self.subject_faces_key(subject_id))
+            ids = [sorted(f.decode() for f in members) for members in pipe.execute()]
+            pipe = self.redis.pipeline(transaction=False)
+            for face_id in (face_id for group in ids for face_id in group):
+                pipe.hmget(self.face_key(face_id), self._face_fields(with_embedding))
+            replies = iter(pipe.execute())
+        found = {}
+        for subject_id, group in zip(subject_ids, ids, strict=True):
+            faces = [f for f in (self._face(i, next(replies)) for i in group) if f is not None]
+            found[subject_id] = sorted(faces, key=lambda f: (f.created_at, f.id))
+        return found
+
     def remove_faces(self, face_ids: Sequence[str]) -> int:
         """Remove faces (unknown ids are ignored); returns how many were removed. One script per
         partition: the faces of a partition go together."""

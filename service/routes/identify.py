@@ -159,9 +159,9 @@ def _search(state, work: FaceWork, vectors: np.ndarray, k: int, how: str):
         else:
             model_id = work.pipeline.manifest.model_id
 
-            def faces_of(subject_id: str):
-                faces = state.store.subject_faces(subject_id, with_embedding=True)
-                return [f for f in faces if f.model_id == model_id]
+            def faces_of(subject_ids: list[str]):
+                found = state.store.faces_of_subjects(subject_ids, with_embedding=True)
+                return {s: [f for f in faces if f.model_id == model_id] for s, faces in found.items()}
 
             shortlists = state.search.search(vectors, shortlist_size(k))
             results = rerank(vectors, shortlists, faces_of, how, k)
