@@ -68,6 +68,7 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "invalid_embedding": 422,
     "invalid_request": 422,
     "no_threshold": 422,
+    "low_quality": 422,
     "rate_limited": 429,
     "redis_setup_failed": 500,
     "invalid_webhooks": 500,  # SPHEREFACE_WEBHOOKS is wrong: the service refuses to start
@@ -149,6 +150,22 @@ class DuplicatePhotoError(ServiceError):
 
 class InvalidEmbeddingError(ServiceError):
     code = "invalid_embedding"
+
+
+class LowQualityError(ServiceError):
+    """A face under the enrollment floor (``SPHEREFACE_MIN_QUALITY``); ``reason`` says what lowers
+    its quality most: ``too_small``, ``blurred``, ``turned_away`` or ``unclear_face``."""
+
+    code = "low_quality"
+
+    def __init__(self, message: str, reason: str | None = None, quality: float | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.quality = reason, quality
+
+    def as_dict(self) -> dict:
+        """``{"code", "message"}`` and, when known, ``reason`` and ``quality``."""
+        extra = {"reason": self.reason, "quality": self.quality}
+        return {**super().as_dict(), **{k: v for k, v in extra.items() if v is not None}}
 
 
 class InvalidRequestError(ServiceError):

@@ -15,6 +15,13 @@ class ErrorResponse(BaseModel):
     message: str = Field(examples=["no face was found in the photo"], description="for people")
 
 
+QUALITY_DESCRIPTION = (
+    "face quality in [0, 1]: the estimated probability that this face is recognised (matches a "
+    "typical photo of the same person at a false match rate of 1e-3), from the detection score, "
+    "the face's size, its sharpness, its pose and the embedding's norm; null without a photo"
+)
+
+
 class Face(BaseModel):
     box: list[float] = Field(
         description="x1, y1, x2, y2 in pixels of the upright photo", examples=[[120.0, 80.0, 260.0, 250.0]]
@@ -23,6 +30,7 @@ class Face(BaseModel):
         description="5 (x, y) points: left eye, right eye, nose, left and right mouth corners"
     )
     detection_score: float = Field(ge=0, le=1, description="MTCNN O-Net face probability")
+    quality: float | None = Field(None, ge=0, le=1, description=QUALITY_DESCRIPTION, examples=[0.93])
 
 
 class EmbeddedFace(Face):
@@ -250,6 +258,7 @@ class FaceOut(BaseModel):
     box: list[float] | None = None
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
+    quality: float | None = Field(None, ge=0, le=1, description=QUALITY_DESCRIPTION)
     has_image: bool = Field(
         False,
         description="the region around the face is stored: GET /v1/faces/{id}/image shows it, and "
@@ -276,9 +285,13 @@ class EnrollItem(BaseModel):
     subject_id: str
     status: str = Field(
         description="ok, or an error code: no_face, multiple_faces, unreadable_image, image_too_large, "
-        "duplicate_photo, subject_not_found, invalid_embedding, invalid_request"
+        "low_quality, duplicate_photo, subject_not_found, invalid_embedding, invalid_request"
     )
     message: str | None = None
+    reason: Literal["too_small", "blurred", "turned_away", "unclear_face"] | None = Field(
+        None, description="low_quality only: what lowers the face's quality most"
+    )
+    quality: float | None = Field(None, ge=0, le=1, description="low_quality only: the face's quality")
     face: FaceOut | None = None
 
 
@@ -302,6 +315,7 @@ class IdentifiedFace(BaseModel):
     box: list[float] | None = None
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
+    quality: float | None = Field(None, ge=0, le=1, description=QUALITY_DESCRIPTION)
     status: Literal["known", "unknown"] = Field(
         description="known: the best subject reaches the threshold; unknown: no subject does"
     )

@@ -44,6 +44,14 @@ class Settings(BaseSettings):
         "face and landmarks on all but 2 of 7,721 photos measured); full: detect every face, keep "
         "the largest",
     )
+    min_quality: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="enrollment refuses a face whose quality (in [0, 1]: the estimated probability "
+        "that it is recognised at a false match rate of 1e-3) is under this, with low_quality "
+        "(422) and the reason (too_small, blurred, turned_away, unclear_face); 0: enroll every face",
+    )
     max_upload_bytes: int = Field(MAX_IMAGE_BYTES, gt=0, description="per photo")
     max_image_pixels: int = Field(MAX_IMAGE_PIXELS, gt=0)
     max_photos_per_request: int = Field(16, gt=0)
@@ -104,6 +112,12 @@ class Settings(BaseSettings):
         "`off`: every worker keeps its own copy",
     )
     identify_top_k: int = Field(5, ge=1, le=100)
+    identify_aggregation: Literal["max", "mean", "quality-mean", "quality-max"] = Field(
+        "max",
+        description="a subject's score in identification: max (its best face), mean (of the cosines "
+        "of all its faces), quality-mean (weighted by each face's quality), quality-max (each cosine "
+        "pulled towards the mean as its face's quality falls); ?aggregation= overrides it",
+    )
     store_face_images: bool = Field(
         True,
         description="keep a JPEG of the region around each enrolled face (about 20 KB): thumbnails, "

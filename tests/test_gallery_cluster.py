@@ -402,3 +402,18 @@ def test_an_index_whose_stream_read_is_refused_in_passing_retries_and_finds_the_
     monkeypatch.setattr(cluster_client, "xrange", xrange_losing_its_node_once)
     assert index.search(vector[None], 1)[0][0].subject_id == "after"
     assert refused, "the stream was not read"
+
+
+def test_the_faces_of_several_subjects_come_from_every_partition_at_once(store) -> None:
+    """What identification re-ranks with (``faces_of_subjects``): each subject's faces, with
+    their embeddings, whatever partitions the subjects live in; an unknown subject has none."""
+    rng = np.random.default_rng(3)
+    subjects = [f"person{i}" for i in range(12)]
+    enrolled = {
+        s: {add(store, s, random_unit(rng, DIM)).id for _ in range(1 + i % 3)} for i, s in enumerate(subjects)
+    }
+    found = store.faces_of_subjects([*subjects, "nobody"], with_embedding=True)
+    assert {s: {f.id for f in found[s]} for s in subjects} == enrolled
+    assert found["nobody"] == []
+    assert all(f.embedding is not None and f.embedding.shape == (DIM,) for s in subjects for f in found[s])
+    assert len({store.partition_of(s) for s in subjects}) > 3

@@ -95,7 +95,13 @@ def reembed_gallery(
             (
                 subject_id,
                 NewFace(
-                    vector, face.photo_sha256, face.box, face.landmarks, face.detection_score, region=region
+                    vector,
+                    face.photo_sha256,
+                    face.box,
+                    face.landmarks,
+                    face.detection_score,
+                    region=region,
+                    quality=face.quality,
                 ),
             )
             for (subject_id, face, region, _), vector in zip(batch, vectors, strict=True)

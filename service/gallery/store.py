@@ -70,7 +70,7 @@ _ADD_FACE = """
 -- KEYS: subject, subject faces, face, model faces, photo, rev, changes, subjects
 -- ARGV: face_id, subject_id, model_id, sha256, created_at, embedding, box, landmarks,
 --       detection_score, source, max_faces, stream_maxlen, region jpeg, region landmarks,
---       create ('1': a missing subject is created with this face), subject score
+--       create ('1': a missing subject is created with this face), subject score, quality
 local create = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[15] ~= '1' then return {'subject_not_found', ''} end
@@ -91,6 +91,7 @@ redis.call('HSET', KEYS[3], 'subject', ARGV[2], 'model_id', ARGV[3], 'photo_sha2
 if ARGV[13] ~= '' then
   redis.call('HSET', KEYS[3], 'region', ARGV[13], 'region_landmarks', ARGV[14])
 end
+if ARGV[17] ~= '' then redis.call('HSET', KEYS[3], 'quality', ARGV[17]) end
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[1])
 local rev = redis.call('INCR', KEYS[6])
@@ -227,6 +228,8 @@ class NewFace:
     source: str = "photo"
     #: the region around the face (JPEG) and its landmarks there, to re-embed for another model
     region: FaceRegion | None = None
+    #: the face's quality in [0, 1] (:mod:`models.quality`); None for an embedding
+    quality: float | None = None
 
 
 @dataclass
@@ -240,6 +243,7 @@ class FaceRecord:
     box: list[float] | None = None
     landmarks: list[list[float]] | None = None
     detection_score: float | None = None
+    quality: float | None = None
     #: whether the region around the face is stored (``face_region``)
     has_region: bool = False
     embedding: np.ndarray | None = field(default=None, repr=False)
@@ -637,6 +641,7 @@ class GalleryStore:
                     json.dumps(face.region.landmarks.tolist()) if face.region is not None else "",
                     "1" if create_subjects else "0",
                     score,
+                    "" if face.quality is None else repr(float(face.quality)),
                 ],
             )
             for face_id, (subject_id, face) in zip(face_ids, items, strict=True)
@@ -661,6 +666,7 @@ class GalleryStore:
                         box=face.box,
                         landmarks=face.landmarks,
                         detection_score=face.detection_score,
+                        quality=face.quality,
                         has_region=face.region is not None,
                         subject_created=bool(made and int(made[0])),
                     )
@@ -689,6 +695,7 @@ class GalleryStore:
         "box",
         "landmarks",
         "detection_score",
+        "quality",
         "region_landmarks",
         "embedding",
     )
@@ -710,6 +717,7 @@ class GalleryStore:
         if record["subject"] is None:
             return None
         score = record["detection_score"] or b""
+        quality = record["quality"] or b""
         embedding = record.get("embedding")
         return FaceRecord(
             id=face_id,
@@ -721,6 +729,7 @@ class GalleryStore:
             box=json.loads(record["box"] or b"null"),
             landmarks=json.loads(record["landmarks"] or b"null"),
             detection_score=float(score) if score else None,
+            quality=float(quality) if quality else None,
             has_region=bool(record["region_landmarks"]),
             embedding=np.frombuffer(embedding, dtype="<f4").copy() if embedding is not None else None,
         )
@@ -750,6 +759,27 @@ class GalleryStore:
             replies = pipe.execute()
         faces = [f for f in (self._face(i, v) for i, v in zip(ids, replies, strict=True)) if f is not None]
         return sorted(faces, key=lambda f: (f.created_at, f.id))
+
+    @retried_read
+    def faces_of_subjects(
+        self, subject_ids: Sequence[str], *, with_embedding: bool = False
+    ) -> dict[str, list[FaceRecord]]:
+        """The faces of several subjects in two pipelined round trips (a subject that does not
+        exist has none), each subject's oldest first."""
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for subject_id in subject_ids:
+                pipe.smembers(self.subject_faces_key(subject_id))
+            ids = [sorted(f.decode() for f in members) for members in pipe.execute()]
+            pipe = self.redis.pipeline(transaction=False)
+            for face_id in (face_id for group in ids for face_id in group):
+                pipe.hmget(self.face_key(face_id), self._face_fields(with_embedding))
+            replies = iter(pipe.execute())
+        found = {}
+        for subject_id, group in zip(subject_ids, ids, strict=True):
+            faces = [f for f in (self._face(i, next(replies)) for i in group) if f is not None]
+            found[subject_id] = sorted(faces, key=lambda f: (f.created_at, f.id))
+        return found
 
     def remove_faces(self, face_ids: Sequence[str]) -> int:
         """Remove faces (unknown ids are ignored); returns how many were removed. One script per

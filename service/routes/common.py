@@ -7,7 +7,7 @@ import hashlib
 import json
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,10 +18,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from models.embedder import l2_normalize
 from models.errors import FacePathError, ImageTooLargeError, SphereFaceError
 from models.image import DecodedPhoto, decode_photo, image_size
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
+from models.quality import FaceQuality, face_quality
 from service.admission import PixelBudget, Ticket
 from service.errors import InvalidRequestError, ServiceError, TooManyPhotosError
 from service.gallery.face_images import REGION_MAX_SIDE, REGION_SCALE, FaceRegion, cut_face_region
@@ -96,8 +98,13 @@ def form_limit_error(exc: StarletteHTTPException, photos: str) -> ServiceError |
     return TooManyPhotosError(f"{photos}; the form has too many parts ({detail})")
 
 
-def face_schema(face: DetectedFace) -> Face:
-    return Face(box=face.box.tolist(), landmarks=face.landmarks.tolist(), detection_score=face.score)
+def face_schema(face: DetectedFace, quality: FaceQuality | None = None) -> Face:
+    return Face(
+        box=face.box.tolist(),
+        landmarks=face.landmarks.tolist(),
+        detection_score=face.score,
+        quality=None if quality is None else round(quality.score, 4),
+    )
 
 
 async def read_body(request: Request, model: type[BaseModel], *, max_files: int) -> BaseModel | FormData:
@@ -144,12 +151,14 @@ def form_files(form: FormData, name: str, *, required: bool = True) -> list[Uplo
 @dataclass
 class PhotoFaces:
     """One uploaded photo after decoding and detection (before embedding). The full-size photo is
-    not kept: only the aligned crops and, when asked for, the stored region of the first face."""
+    not kept: only the aligned crops and, when asked for, the stored region of the first face.
+    ``qualities``: one per embedded face, set by :meth:`FaceWork.embed_photos`."""
 
     sha256: str
     faces: list[DetectedFace]
     crops: np.ndarray
     region: FaceRegion | None = None
+    qualities: list[FaceQuality] = field(default_factory=list)
 
 
 #: Threads that detect the photos of one request side by side (shared by the worker's requests).
@@ -253,14 +262,39 @@ class FaceWork:
         upload.file.seek(0)
         return size[0] * size[1] if size else 0
 
-    def embed(self, crops: list[np.ndarray] | np.ndarray) -> np.ndarray:
-        """Embed aligned crops in batches (one array per photo, or one stacked array)."""
+    def embed(self, crops: list[np.ndarray] | np.ndarray, *, normalize: bool = True) -> np.ndarray:
+        """Embed aligned crops in batches (one array per photo, or one stacked array);
+        ``normalize=False``: the fused raw output (its norm is a quality ingredient)."""
         if isinstance(crops, list):
             if not crops:
                 return np.zeros((0, self.pipeline.manifest.output_size), np.float32)
             crops = np.concatenate(crops)
         with IDLE_TRIM.working(), self.metrics.stage("embed"):
-            return self.pipeline.embed_aligned(crops)
+            return self.pipeline.embedder.embed(crops, normalize=normalize)
+
+    def embed_photos(self, photos: list[PhotoFaces], *, first_only: bool = False) -> np.ndarray:
+        """The unit embeddings of the faces of ``photos`` (of each one's first face only with
+        ``first_only``), in order; sets each photo's ``qualities``. A photo without detected faces
+        is an aligned crop: the whole crop is the face."""
+        crops = [p.crops[:1] if first_only else p.crops for p in photos]
+        raw = self.embed(crops, normalize=False)
+        template = self.pipeline.template
+        model_id = self.pipeline.manifest.model_id
+        row = 0
+        for photo, cut in zip(photos, crops, strict=True):
+            faces = photo.faces[: len(cut)] or [
+                DetectedFace(
+                    np.array([0.0, 0.0, template.width - 1.0, template.height - 1.0]),
+                    1.0,
+                    template.as_array(),
+                )
+            ]
+            photo.qualities = [
+                face_quality(f.score, f.box, f.landmarks, crop, raw[row + i], model_id=model_id)
+                for i, (f, crop) in enumerate(zip(faces, cut, strict=True))
+            ]
+            row += len(cut)
+        return l2_normalize(raw)
 
     def error(self, exc: SphereFaceError) -> dict[str, Any]:
         """The status and message of one photo that failed (counted in the metrics by its code)."""

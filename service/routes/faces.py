@@ -88,7 +88,7 @@ def _embed(work: FaceWork, photos: list[UploadFile], aligned: bool, policy: str)
             item.status, item.message = error["status"], error["message"]
         items.append(item)
         found.append(photo)
-    vectors = iter(work.embed([p.crops for p in found if p is not None]))
+    vectors = iter(work.embed_photos([p for p in found if p is not None]))
     h, w = manifest.input_height, manifest.input_width
     for item, photo in zip(items, found, strict=True):
         if photo is None:
@@ -99,13 +99,14 @@ def _embed(work: FaceWork, photos: list[UploadFile], aligned: bool, policy: str)
                     box=[0, 0, w - 1, h - 1],
                     landmarks=work.pipeline.template.as_array().tolist(),
                     detection_score=1.0,
+                    quality=round(photo.qualities[0].score, 4),
                     embedding=next(vectors).tolist(),
                 )
             ]
         else:
             item.faces = [
-                EmbeddedFace(**face_schema(f).model_dump(), embedding=next(vectors).tolist())
-                for f in photo.faces
+                EmbeddedFace(**face_schema(f, q).model_dump(), embedding=next(vectors).tolist())
+                for f, q in zip(photo.faces, photo.qualities, strict=True)
             ]
     return EmbedResponse(model_id=manifest.model_id, embedding_size=manifest.output_size, photos=items)
 
@@ -145,8 +146,8 @@ def _verify(work: FaceWork, body, policy: str) -> VerifyResponse:
         vectors = [check_embedding(v, manifest.output_size) for v in (body.embedding1, body.embedding2)]
     else:
         photos = work.detect_each([form_files(body, name)[0] for name in ("photo1", "photo2")], policy)
-        vectors = list(work.embed([p.crops[:1] for p in photos]))
-        faces = [face_schema(p.faces[0]) for p in photos]
+        vectors = list(work.embed_photos(photos, first_only=True))
+        faces = [face_schema(p.faces[0], p.qualities[0]) for p in photos]
     score = float(np.clip(vectors[0] @ vectors[1], -1.0, 1.0))
     threshold = manifest.thresholds.get("verification")
     return VerifyResponse(

@@ -7,10 +7,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from models.errors import SphereFaceError
+from models.quality import FaceQuality, reason_text
 from service.auth import require_admin, require_read
 from service.errors import (
     InvalidEmbeddingError,
     InvalidRequestError,
+    LowQualityError,
     NoFaceImageError,
     ServiceError,
     TooManyPhotosError,
@@ -201,8 +203,10 @@ async def add_faces(
 ) -> EnrollResponse:
     """One face per photo; each item gets a status: `ok` with the stored face, or an error code
     (`no_face`, `multiple_faces`, `unreadable_image`, `image_too_large`, `duplicate_photo`,
-    `invalid_embedding`). JSON bodies `{"embeddings": [[...], ...]}` enroll embeddings of this
-    model. The subject must exist (`subject_not_found`, 404)."""
+    `invalid_embedding`, `low_quality`: the face's quality is under `SPHEREFACE_MIN_QUALITY`, with
+    its `reason`: `too_small`, `blurred`, `turned_away` or `unclear_face`). JSON bodies
+    `{"embeddings": [[...], ...]}` enroll embeddings of this model. The subject must exist
+    (`subject_not_found`, 404)."""
     await work.off_turn(store.get_subject, subject_id)
     body = await read_body(request, FaceEmbeddings, max_files=work.settings.max_bulk_items)
     if isinstance(body, FaceEmbeddings):
@@ -393,10 +397,25 @@ def _photos_ready(work: FaceWork, items, policy: str) -> tuple[Ready, list[Enrol
         except SphereFaceError as exc:  # the photo's own failure, overloaded included
             error = work.error(exc)
             failed.append(EnrollItem(index=index, filename=upload.filename, subject_id=subject_id, **error))
-    vectors = work.embed([photo.crops[:1] for _, _, photo in detected])
+    vectors = work.embed_photos([photo for _, _, photo in detected], first_only=True)
     ready: Ready = []
     for (index, subject_id, photo), vector in zip(detected, vectors, strict=True):
-        face = photo.faces[0]
+        face, quality = photo.faces[0], photo.qualities[0]
+        if quality.score < work.settings.min_quality:
+            refused = low_quality_error(quality, work.settings.min_quality)
+            work.metrics.count_photo_error(refused.code)
+            failed.append(
+                EnrollItem(
+                    index=index,
+                    filename=items[index][1].filename,
+                    subject_id=subject_id,
+                    status=refused.code,
+                    message=refused.message,
+                    reason=refused.reason,
+                    quality=refused.quality,
+                )
+            )
+            continue
         new = NewFace(
             vector,
             photo.sha256,
@@ -404,9 +423,20 @@ def _photos_ready(work: FaceWork, items, policy: str) -> tuple[Ready, list[Enrol
             face.landmarks.tolist(),
             float(face.score),
             region=photo.region,
+            quality=round(quality.score, 4),
         )
         ready.append((index, subject_id, new))
     return ready, failed
+
+
+def low_quality_error(quality: FaceQuality, floor: float) -> LowQualityError:
+    """The refusal of a face under the enrollment floor, with its reason in words and as a code."""
+    return LowQualityError(
+        f"{reason_text(quality)} (quality {quality.score:.2f}, under the floor {floor:.2f} "
+        "of SPHEREFACE_MIN_QUALITY)",
+        quality.reason,
+        round(quality.score, 4),
+    )
 
 
 def _store(

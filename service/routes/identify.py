@@ -8,9 +8,12 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
+from models.mtcnn import DetectedFace
+from models.quality import FaceQuality
 from service.auth import require_read
 from service.errors import ServiceError
 from service.events.stream import IDENTIFICATION, EventStream
+from service.gallery.aggregate import rerank, shortlist_size
 from service.gallery.index import SubjectHit
 from service.gallery.store import check_embedding
 from service.routes.common import (
@@ -24,6 +27,7 @@ from service.routes.common import (
 )
 from service.schemas import Candidate, ErrorResponse, FaceEmbeddings, IdentifiedFace, IdentifyResponse
 
+Aggregation = Literal["max", "mean", "quality-mean", "quality-max"]
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
 router = APIRouter(
     tags=["identify"], responses=ERRORS, dependencies=[Depends(require_read)], route_class=StrictRoute
@@ -57,12 +61,20 @@ async def identify(
         float | None,
         Query(ge=-1, le=1, description="cosine threshold instead of the model's identification threshold"),
     ] = None,
+    aggregation: Annotated[
+        Aggregation | None,
+        Query(
+            description="a subject's score from its faces: max (its best face), mean, quality-mean "
+            "(weighted by each face's quality) or quality-max (default: SPHEREFACE_IDENTIFY_AGGREGATION)"
+        ),
+    ] = None,
 ) -> IdentifyResponse:
     """Send a photo (multipart field `photo`) or embeddings of this model (JSON
     `{"embeddings": [[...], ...]}`). For every face: the top-k subjects by the cosine of their
-    best-matching face, and `status` `known` (the best subject reaches the threshold) or
-    `unknown`. The threshold is the model's `identification` threshold (calibrated for a
-    false-accept rate of 1e-4 per comparison), else its `verification` one."""
+    best-matching face (or by all their faces: `aggregation`), and `status` `known` (the best
+    subject reaches the threshold) or `unknown`. The threshold is the model's `identification`
+    threshold (calibrated for a false-accept rate of 1e-4 per comparison), else its
+    `verification` one."""
     body = await read_body(request, FaceEmbeddings, max_files=1)
     chosen = chosen_threshold(work, threshold)
     k = k or work.settings.identify_top_k
@@ -74,7 +86,8 @@ async def identify(
         upload = form_files(body, "photo")[0]
         detected, vectors = await work.in_turn(_detect_and_embed, work, upload, faces)
     state = request.app.state
-    results, names, searched = await work.off_turn(_search, state, work, vectors, k)
+    how = aggregation or work.settings.identify_aggregation
+    results, names, searched = await work.off_turn(_search, state, work, vectors, k, how)
     answer = IdentifyResponse(
         model_id=manifest.model_id,
         threshold=chosen[0],
@@ -132,21 +145,36 @@ def _checked(embeddings: list[list[float]], dim: int) -> np.ndarray:
 def _detect_and_embed(work: FaceWork, upload, policy: str):
     """The faces of one photo and their embeddings (a face-path turn's work: no Redis)."""
     photo = work.detect(upload, policy)
-    return photo.faces, work.embed(photo.crops)
+    vectors = work.embed_photos([photo])
+    return list(zip(photo.faces, photo.qualities, strict=True)), vectors
 
 
-def _search(state, work: FaceWork, vectors: np.ndarray, k: int):
+def _search(state, work: FaceWork, vectors: np.ndarray, k: int, how: str):
     """The top-k subjects of each face, the names of every subject found, and the number of
-    faces searched (Redis work: the search refreshes from Redis, or runs in it)."""
+    faces searched (Redis work: the search refreshes from Redis, or runs in it). Other than by
+    the best face (``max``), the nearest subjects are re-ranked by all their faces."""
     with work.metrics.stage("search"):
-        results = state.search.search(vectors, k)
+        if how == "max":
+            results = state.search.search(vectors, k)
+        else:
+            model_id = work.pipeline.manifest.model_id
+
+            def faces_of(subject_ids: list[str]):
+                found = state.store.faces_of_subjects(subject_ids, with_embedding=True)
+                return {s: [f for f in faces if f.model_id == model_id] for s, faces in found.items()}
+
+            shortlists = state.search.search(vectors, shortlist_size(k))
+            results = rerank(vectors, shortlists, faces_of, how, k)
     with work.metrics.stage("redis"):
         names = state.store.subject_names(sorted({hit.subject_id for hits in results for hit in hits}))
     return results, names, len(state.search)
 
 
 def _identified(
-    face, hits: list[SubjectHit], names: dict[str, str | None], threshold: float
+    face: tuple[DetectedFace, FaceQuality] | None,
+    hits: list[SubjectHit],
+    names: dict[str, str | None],
+    threshold: float,
 ) -> IdentifiedFace:
     """One face's answer: its candidates, best first, and whether the best reaches the threshold."""
     candidates = [
@@ -156,7 +184,7 @@ def _identified(
     best = candidates[0] if candidates else None
     is_known = best is not None and best.score >= threshold
     return IdentifiedFace(
-        **(face_schema(face).model_dump() if face is not None else {}),
+        **(face_schema(*face).model_dump() if face is not None else {}),
         status="known" if is_known else "unknown",
         subject_id=best.subject_id if is_known else None,
         name=best.name if is_known else None,
