@@ -7,9 +7,9 @@ The rule, per sampled frame (numpy only; the caller detects, embeds and searches
    union is at least ``TrackerSettings.box_iou``.
 2. **What to embed.** A detection without a pair is always embedded. A paired one is embedded only
    when its track still wants it: the track has fewer than ``best_n`` embedded faces, the face is
-   better (:func:`face_quality`) than the worst of the track's best ``best_n``, or ``reembed_every``
-   sampled frames went by since the track's last embedding (``reembed_every=1`` embeds every face:
-   the baseline that tracking is measured against).
+   better (by its quality, 0-1: :func:`models.quality.face_quality`) than the worst of the
+   track's best ``best_n``, or ``reembed_every`` sampled frames went by since the track's last
+   embedding (``reembed_every=1`` embeds every face: the baseline tracking is measured against).
 3. **By likeness.** A paired face whose embedding is less like its track's mean than
    ``split_cosine`` starts a track of its own (another person stepped into the box). A face
    without a pair joins the live track (unpaired this frame) whose mean it is most like, at least
@@ -53,14 +53,6 @@ class TrackedFace:
     score: float
     quality: float
     embedding: np.ndarray | None = None
-
-
-def face_quality(box: np.ndarray, score: float, crop_side: int = 112) -> float:
-    """How far a face can be trusted when no learnt quality score is given: the detection score
-    times the share of the crop's side that the face's pixels fill (a face of ``crop_side``
-    pixels or more counts fully), 0-1."""
-    side = float(min(box[2] - box[0], box[3] - box[1]))
-    return float(np.clip(score, 0.0, 1.0) * min(1.0, max(side, 0.0) / crop_side))
 
 
 @dataclass

@@ -13,7 +13,8 @@ import numpy as np
 from models.align import align_faces
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
-from models.tracking import FaceTracker, Track, TrackerSettings, face_quality
+from models.quality import face_quality
+from models.tracking import FaceTracker, Track, TrackerSettings
 from models.video import VideoFrame
 
 #: ``quality(face, crop) -> 0..1``: how far a detected face (with its aligned crop) can be trusted.
@@ -21,8 +22,9 @@ QualityFn = Callable[[DetectedFace, np.ndarray], float]
 
 
 def default_quality(face: DetectedFace, crop: np.ndarray) -> float:
-    """:func:`models.tracking.face_quality` on the crop's side."""
-    return face_quality(np.asarray(face.box, np.float64), float(face.score), crop_side=int(crop.shape[0]))
+    """The face's quality score (:func:`models.quality.face_quality`: detection, size, sharpness,
+    pose; no embedding norm, since a face's quality decides whether it is embedded)."""
+    return face_quality(float(face.score), face.box, face.landmarks, crop).score
 
 
 @dataclass
@@ -44,7 +46,7 @@ class VideoFaces:
     Args:
         pipeline: the detector, aligner and embedder.
         settings: the tracker's rule.
-        quality: a face's quality (default: detection score and size, :func:`default_quality`).
+        quality: a face's quality (default: :func:`default_quality`).
         audit: embed every face and keep ``(time_s, box, embedding)`` of each here, while the
             tracker still gets only the embeddings its rule asks for (the benchmark's per-frame
             decisions); None: embed only those.

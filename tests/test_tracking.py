@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from models.tracking import FaceTracker, TrackerSettings, box_iou, face_quality, greedy_pairs
+from models.tracking import FaceTracker, TrackerSettings, box_iou, greedy_pairs
 from models.video_faces import decide_tracks
 
 RNG = np.random.default_rng(0)
@@ -76,12 +76,6 @@ def test_a_short_gap_rejoins_by_likeness_and_a_long_one_ends_the_track():
     tracks, _ = run(FaceTracker(TrackerSettings(join_cosine=0.8, split_cosine=0.5)), frames)
     assert [len(t.faces) for t in tracks] == [10, 5]
     assert tracks[0].end_s - tracks[0].start_s > 3.0
-
-
-def test_face_quality_grows_with_size_and_detection_score():
-    assert face_quality(np.array(box(0, side=56)), 1.0) == 0.5
-    assert face_quality(np.array(box(0, side=200)), 0.9) == 0.9
-    assert face_quality(np.array(box(0, side=30)), 0.99) < face_quality(np.array(box(0, side=60)), 0.99)
 
 
 def test_a_track_is_decided_on_its_best_faces_and_short_tracks_are_not_decided():

@@ -134,6 +134,8 @@ def test_broken_and_over_limit_clips_get_clear_errors(clip, default_model_dir, r
         assert truncated.json()["message"].startswith("cut.mp4")
         garbage = post_clip(client, os.urandom(50_000), name="noise.mp4")
         assert (garbage.status_code, garbage.json()["code"]) == (422, "unreadable_video")
+        as_json = client.post("/v1/identify/video", json={"embeddings": [[0.0] * 128]})
+        assert (as_json.status_code, as_json.json()["code"]) == (415, "unsupported_media_type")
         too_fast = post_clip(client, data, sample_fps=60)
         assert (too_fast.status_code, too_fast.json()["code"]) == (422, "invalid_request")
 

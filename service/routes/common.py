@@ -126,6 +126,16 @@ async def read_body(request: Request, model: type[BaseModel], *, max_files: int)
     )
 
 
+async def read_form(request: Request, *, max_files: int, what: str) -> FormData:
+    """The request's multipart form, for a route that takes files only (415 otherwise)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "multipart/form-data":
+        raise UnsupportedMediaTypeError(
+            f"send {what} as multipart/form-data, not {content_type or 'nothing'!r}"
+        )
+    return await read_body(request, BaseModel, max_files=max_files)
+
+
 def validate_json(model: type[M], raw: bytes) -> M:
     """A JSON body (:func:`parse_json`: no repeated keys) validated as ``model``; every problem is
     422 ``invalid_request`` with the fields at fault named."""

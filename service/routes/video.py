@@ -11,9 +11,9 @@ from models.video import VideoTooLargeError, sample_frames
 from models.video_faces import VideoFaces, decide_tracks
 from service.auth import require_read
 from service.events.stream import TRACK_ENDED, Event, EventStream
-from service.routes.common import FaceWork, StrictRoute, form_files, get_face_work, openapi_body, read_body
+from service.routes.common import FaceWork, StrictRoute, form_files, get_face_work, openapi_body, read_form
 from service.routes.identify import chosen_threshold
-from service.schemas import ErrorResponse, FaceEmbeddings, VideoIdentifyResponse
+from service.schemas import ErrorResponse, VideoIdentifyResponse
 from service.video import track_ended_data, track_schema, tracker_settings, video_limits
 
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
@@ -27,7 +27,7 @@ router = APIRouter(
     operation_id="identify_video",
     response_model=VideoIdentifyResponse,
     summary="Who is in this clip? One decision per person's appearance (track)",
-    openapi_extra=openapi_body({"video": "a video clip (MP4, MKV, WebM, MOV, AVI, ...)"}, FaceEmbeddings),
+    openapi_extra=openapi_body({"video": "a video clip (MP4, MKV, WebM, MOV, AVI, ...)"}),
 )
 async def identify_video(
     request: Request,
@@ -51,7 +51,7 @@ async def identify_video(
     (by quality) against the gallery, `known` when the best subject reaches the threshold. Clips
     over the size, duration or frame limits are refused (413 `video_too_large`, 422
     `video_too_long`); undecodable or truncated ones are 422 `unreadable_video`."""
-    form = await read_body(request, FaceEmbeddings, max_files=1)
+    form = await read_form(request, max_files=1, what="the clip (field `video`)")
     settings = work.settings
     chosen = chosen_threshold(work, threshold)
     k = k or settings.identify_top_k
