@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from bench.face_path_settings import MATCH_IOU
+from models.tracking import box_iou
 
 
 @dataclass
@@ -41,20 +42,6 @@ def found_from_facenet(result) -> Found:
         np.asarray(probs, dtype=np.float64).reshape(-1),
         np.asarray(points, dtype=np.float64).reshape(-1, 5, 2),
     )
-
-
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU matrix ``(len(a), len(b))`` of ``(x1, y1, x2, y2)`` boxes."""
-    if len(a) == 0 or len(b) == 0:
-        return np.zeros((len(a), len(b)))
-    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
-    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
-    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
-    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
 
 
 def match_boxes(a: np.ndarray, b: np.ndarray, threshold: float = MATCH_IOU) -> list[tuple[int, int, float]]:
