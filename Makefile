@@ -27,13 +27,13 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local gpu-pack gpu-check \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local gpu-pack gpu-check bench-video \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results quality-results clean
 
 $(BIN)/sphereface: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[cpu,train,dev]'
+	$(BIN)/pip install -q -e '.[cpu,train,dev,video]'
 	@$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 
@@ -261,6 +261,11 @@ bench-train: prepare-celeba
 # data (docs/results/train-overhead.md; the loss table's A-Softmax m = 4 run, one thread, about 2 minutes).
 bench-train-overhead: prepare-celeba
 	OMP_NUM_THREADS=1 $(BIN)/python bench/train_overhead.py --json docs/results/bench_train_overhead.json
+
+# Video identification on clips made from LFW photos: per-track against per-frame accuracy, purity,
+# frames per second at 720p and 1080p (docs/results/video.md; about 10 minutes on 2 cores).
+bench-video: install
+	$(BIN)/python bench/video.py --json docs/results/bench_video.json
 
 # The GPU check (docs/gpu.md). gpu-pack, here: the prepared celeba_faces crops and 600 LFW pairs as JPEG in
 # .cache/gpu-pack (about 26 MiB, seconds), which the device tool carries to a lent GPU machine. gpu-check:
