@@ -37,10 +37,11 @@ from service.memory import limit_malloc_arenas
 from service.metrics import Metrics, MetricsMiddleware, add_metrics_route, create_metrics
 from service.openapi import install_openapi
 from service.redis_clients import gallery_client, redis_client  # noqa: F401  (redis_client: for callers)
-from service.routes import events, faces, gallery, health, identify, video
+from service.routes import events, faces, gallery, health, identify, unknowns, video
 from service.routes.common import reject_unknown_query
 from service.routes.page import add_page
 from service.settings import Settings
+from service.unknowns.pool import pool_for
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def connect_gallery(app: FastAPI, settings: Settings) -> redis.Redis | RedisClus
         policy=WritePolicy.from_settings(settings),
     )
     app.state.search = make_search(settings, store, manifest.model_id, manifest.output_size)
+    app.state.unknowns = pool_for(settings, manifest, client)
     try:
         store.ensure_schema()  # a gallery written by an older version (readyz retries it)
         if isinstance(app.state.search, LiveIndex):
@@ -216,6 +218,7 @@ def add_routes(app: FastAPI, metrics: Metrics) -> None:
     app.include_router(video.router, prefix="/v1", dependencies=[strict])
     app.include_router(gallery.router, prefix="/v1", dependencies=[strict])
     app.include_router(events.router, prefix="/v1", dependencies=[strict])
+    app.include_router(unknowns.router, prefix="/v1", dependencies=[strict])
     add_page(app)
     install_openapi(app)
 

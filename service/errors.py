@@ -60,6 +60,9 @@ HTTP_STATUS_BY_CODE: dict[str, int] = {
     "webhook_not_found": 404,
     "dead_letter_not_found": 404,
     "no_face_image": 404,
+    "unknown_cluster_not_found": 404,
+    "unknown_face_not_found": 404,
+    "unknowns_off": 404,  # SPHEREFACE_KEEP_UNKNOWN is off: no unknown faces are kept
     "subject_exists": 409,
     "duplicate_photo": 409,
     "request_too_large": 413,

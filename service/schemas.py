@@ -323,6 +323,10 @@ class IdentifiedFace(BaseModel):
     name: str | None = None
     score: float | None = Field(description="the best subject's score (null with an empty gallery)")
     candidates: list[Candidate] = Field(description="top-k subjects, best first")
+    unknown_face_id: str | None = Field(
+        None, description="an unknown face kept (SPHEREFACE_KEEP_UNKNOWN): its id under /v1/unknowns"
+    )
+    cluster_id: str | None = Field(None, description="the unknown-face cluster that face is in now")
 
 
 class IdentifyResponse(BaseModel):

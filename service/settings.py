@@ -229,6 +229,22 @@ class Settings(BaseSettings):
         5, ge=1, description="a track is decided on the mean embedding of this many of its best faces"
     )
 
+    # -- unknown faces ----------------------------------------------------------------------
+    keep_unknown: bool = Field(
+        False,
+        description="keep every face /v1/identify answers `unknown` for (embedding, the region around "
+        "the face, time, source) and cluster them: /v1/unknowns (off: nothing is kept)",
+    )
+    unknown_max_faces: int = Field(
+        10_000, ge=1, description="unknown faces kept per model; the oldest go first"
+    )
+    unknown_max_age_days: float = Field(30.0, gt=0, description="days an unknown face is kept at most")
+    unknown_cluster_threshold: str = Field(
+        "far_1e-05",
+        description="the model's calibrated threshold (manifest key) that joins a face to a cluster; "
+        "a model without it uses its identification, else verification threshold",
+    )
+
     # -- process ----------------------------------------------------------------------------
     workers: int = Field(1, ge=1)
 

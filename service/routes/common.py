@@ -169,6 +169,8 @@ class PhotoFaces:
     crops: np.ndarray
     region: FaceRegion | None = None
     qualities: list[FaceQuality] = field(default_factory=list)
+    #: the stored region of every face, in order (``detect(regions=True)``)
+    regions: list[FaceRegion] | None = None
 
 
 #: Threads that detect the photos of one request side by side (shared by the worker's requests).
@@ -227,9 +229,12 @@ class FaceWork:
                 raise
         return photo, hashlib.sha256(data).hexdigest()
 
-    def detect(self, upload: UploadFile, policy: str, *, region: bool = False) -> PhotoFaces:
+    def detect(
+        self, upload: UploadFile, policy: str, *, region: bool = False, regions: bool = False
+    ) -> PhotoFaces:
         """Decode, detect, select (policy) and align, within the worker's pixel budget; typed
-        errors name the photo. ``region``: also cut the stored region of the first face.
+        errors name the photo. ``region``: also cut the stored region of the first face;
+        ``regions``: of every face.
 
         A JPEG is decoded at the scale detection needs (:attr:`FacePipeline.decode_side`) and its
         crops cut at the scale they need (:meth:`FacePipeline.photo_crops`; the region too)."""
@@ -239,18 +244,25 @@ class FaceWork:
             try:
                 with self.metrics.stage("detect"):
                     found = self.pipeline.photo_crops(
-                        photo, policy, min_face_side=REGION_MAX_SIDE / REGION_SCALE if region else 0.0
+                        photo,
+                        policy,
+                        min_face_side=REGION_MAX_SIDE / REGION_SCALE if region or regions else 0.0,
                     )
             except FacePathError as exc:
                 exc.message = f"{upload.filename or 'photo'}: {exc.message}"
                 raise
-            faces, crops, source, cut = found.faces, found.crops, found.source, None
-            if region:
-                box, points = source.box_from_full(faces[0].box), source.from_full(faces[0].landmarks)
-                cut = cut_face_region(source.image, box, points)
+            faces, crops, source = found.faces, found.crops, found.source
+            cuts = [
+                cut_face_region(
+                    source.image, source.box_from_full(face.box), source.from_full(face.landmarks)
+                )
+                for face in (faces if regions else faces[:1] if region else [])
+            ]
             del photo, source, found  # the decoded photo goes before the budget is handed on
         self.metrics.count_faces(len(faces))
-        return PhotoFaces(sha, faces, crops, cut)
+        return PhotoFaces(
+            sha, faces, crops, cuts[0] if region and cuts else None, regions=cuts if regions else None
+        )
 
     def detect_each(self, uploads: list[UploadFile], policy: str) -> list[PhotoFaces]:
         """:meth:`detect` for several photos at once, two at a time (decoding, PIL and ONNX Runtime

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from models.errors import SphereFaceError
@@ -57,6 +58,7 @@ from service.schemas import (
     SubjectPage,
     SubjectUpdate,
 )
+from service.unknowns.pool import UnknownPool
 
 #: Paging offsets above this are refused (422): Redis ranges are 64-bit, Python ints are not.
 MAX_OFFSET = 1_000_000_000
@@ -217,7 +219,8 @@ async def add_faces(
         uploads = [(subject_id, u) for u in form_files(body, "photos")]
         filenames = {index: upload.filename for index, (_, upload) in enumerate(uploads)}
         ready, failed = await work.in_turn(_photos_ready, work, uploads, multiple_faces)
-    return await work.off_turn(_store, store, events, work, ready, failed, filenames, False)
+    pool = request.app.state.unknowns
+    return await work.off_turn(_store, store, events, work, ready, failed, filenames, False, pool)
 
 
 @router.get(
@@ -337,7 +340,8 @@ async def enroll(
     else:
         filenames = {index: upload.filename for index, upload in enumerate(payload)}
         ready, failed = await work.in_turn(_photos_ready, work, items, multiple_faces)
-    return await work.off_turn(_store, store, events, work, ready, failed, filenames, create_subjects)
+    pool = request.app.state.unknowns
+    return await work.off_turn(_store, store, events, work, ready, failed, filenames, create_subjects, pool)
 
 
 def _enrolled_events(outcomes: list[FaceRecord | ServiceError]) -> list[Event]:
@@ -447,10 +451,12 @@ def _store(
     results: list[EnrollItem],
     filenames: dict[int, str | None],
     create_subjects: bool,
+    pool: UnknownPool | None = None,
 ) -> EnrollResponse:
     """Write the enrollable faces in one round trip (``create_subjects``: a missing subject is
     created with its first face stored) and merge their outcomes with the failures; what was
-    stored then goes on the event stream."""
+    stored then goes on the event stream, and the kept unknown faces it now identifies leave
+    ``pool``."""
     with work.metrics.stage("redis"):
         outcomes = store.add_faces_bulk(
             [(s, f) for _, s, f in ready], work.pipeline.manifest.model_id, create_subjects=create_subjects
@@ -467,6 +473,11 @@ def _store(
         results.append(item)
     results.sort(key=lambda item: item.index)
     events.publish(_enrolled_events(outcomes))
+    stored = [
+        face.embedding for (_, _, face), o in zip(ready, outcomes, strict=True) if isinstance(o, FaceRecord)
+    ]
+    if pool is not None and stored:
+        pool.remove_matching(np.stack(stored))
     enrolled = sum(item.status == "ok" for item in results)
     return EnrollResponse(
         model_id=work.pipeline.manifest.model_id,

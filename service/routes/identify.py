@@ -25,6 +25,7 @@ from service.routes.common import (
     openapi_body,
     read_body,
 )
+from service.routes.unknowns import keep_unknown_faces
 from service.schemas import Candidate, ErrorResponse, FaceEmbeddings, IdentifiedFace, IdentifyResponse
 
 Aggregation = Literal["max", "mean", "quality-mean", "quality-max"]
@@ -68,24 +69,35 @@ async def identify(
             "(weighted by each face's quality) or quality-max (default: SPHEREFACE_IDENTIFY_AGGREGATION)"
         ),
     ] = None,
+    source: Annotated[
+        str | None,
+        Query(
+            max_length=128,
+            description="where the photo comes from (a camera, an app), kept with unknown faces",
+        ),
+    ] = None,
 ) -> IdentifyResponse:
     """Send a photo (multipart field `photo`) or embeddings of this model (JSON
     `{"embeddings": [[...], ...]}`). For every face: the top-k subjects by the cosine of their
     best-matching face (or by all their faces: `aggregation`), and `status` `known` (the best
     subject reaches the threshold) or `unknown`. The threshold is the model's `identification`
     threshold (calibrated for a false-accept rate of 1e-4 per comparison), else its
-    `verification` one."""
+    `verification` one. With `SPHEREFACE_KEEP_UNKNOWN=true` each `unknown` face of a photo is
+    kept and clustered: it gets `unknown_face_id` and `cluster_id` (see `/v1/unknowns/clusters`)."""
     body = await read_body(request, FaceEmbeddings, max_files=1)
     chosen = chosen_threshold(work, threshold)
     k = k or work.settings.identify_top_k
     manifest = work.pipeline.manifest
+    state = request.app.state
+    photo = None
     if isinstance(body, FaceEmbeddings):
         vectors = await run_in_threadpool(_checked, body.embeddings, manifest.output_size)
         detected = [None] * len(vectors)
     else:
         upload = form_files(body, "photo")[0]
-        detected, vectors = await work.in_turn(_detect_and_embed, work, upload, faces)
-    state = request.app.state
+        regions = state.unknowns is not None and work.settings.store_face_images
+        photo, vectors = await work.in_turn(_detect_and_embed, work, upload, faces, regions)
+        detected = list(zip(photo.faces, photo.qualities, strict=True))
     how = aggregation or work.settings.identify_aggregation
     results, names, searched = await work.off_turn(_search, state, work, vectors, k, how)
     answer = IdentifyResponse(
@@ -99,6 +111,8 @@ async def identify(
             _identified(face, hits, names, chosen[0]) for face, hits in zip(detected, results, strict=True)
         ],
     )
+    if state.unknowns is not None and photo is not None:
+        await work.off_turn(keep_unknown_faces, state.unknowns, answer, photo, vectors, source or "identify")
     events: EventStream = state.events
     if events.identification:
         await work.off_turn(events.emit, IDENTIFICATION, identification_data(answer))
@@ -142,11 +156,11 @@ def _checked(embeddings: list[list[float]], dim: int) -> np.ndarray:
     return np.stack([check_embedding(v, dim) for v in embeddings])
 
 
-def _detect_and_embed(work: FaceWork, upload, policy: str):
-    """The faces of one photo and their embeddings (a face-path turn's work: no Redis)."""
-    photo = work.detect(upload, policy)
-    vectors = work.embed_photos([photo])
-    return list(zip(photo.faces, photo.qualities, strict=True)), vectors
+def _detect_and_embed(work: FaceWork, upload, policy: str, regions: bool):
+    """The faces of one photo (with the region around each when ``regions``) and their embeddings
+    (a face-path turn's work: no Redis)."""
+    photo = work.detect(upload, policy, regions=regions)
+    return photo, work.embed_photos([photo])
 
 
 def _search(state, work: FaceWork, vectors: np.ndarray, k: int, how: str):
