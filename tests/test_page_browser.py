@@ -2,9 +2,9 @@
 against a real `sphereface serve` process, a real redis-server and real photos.
 
 A person verifies a genuine and an impostor pair and reads the decision, enrolls two people and
-identifies both in a two-face photo, sees the API's message for a text file, pages, searches,
-renames and deletes in the gallery, uses the tabs with the keyboard and the page at phone width;
-`/docs` and `/redoc` render with nothing loaded from another host.
+identifies both in a two-face photo, names a group of unknown faces, sees the API's message for a
+text file, pages, searches, renames and deletes in the gallery, uses the tabs with the keyboard
+and the page at phone width; `/docs` and `/redoc` render with nothing loaded from another host.
 
 Set SPHEREFACE_SCREENSHOTS to a folder to keep a screenshot of each screen there
 (`make screenshots` refreshes those of docs/screenshots).
@@ -44,7 +44,9 @@ PHONE = (390, 844)
 @pytest.fixture(scope="module")
 def service(default_model_dir, module_redis):
     folder = short_temp_dir()
-    running = Service(default_model_dir, folder / "data", module_redis.url)
+    running = Service(
+        default_model_dir, folder / "data", module_redis.url, {"SPHEREFACE_KEEP_UNKNOWN": "true"}
+    )
     yield running
     running.stop()
     shutil.rmtree(folder, ignore_errors=True)
@@ -452,6 +454,50 @@ def test_the_page_waits_out_a_rate_limit_instead_of_failing(page, gallery, modul
     assert outcome["failed"] == 0  # ... and the page waited it out
 
 
+# -- unknown people ------------------------------------------------------------------------------
+
+
+def test_unknown_people_are_grouped_and_named_in_the_page(page, gallery, photos_dir):
+    for person, count in (("obama", 3), ("kit_harington", 2)):
+        for path in photos(photos_dir, person)[:count]:
+            r = gallery.post("/v1/identify", files=[("photo", (path.name, path.read_bytes(), "image/jpeg"))])
+            assert r.status_code == 200 and r.json()["faces"][0]["status"] == "unknown", r.text
+    page.open(fragment="#unknowns")
+    page.wait(lambda d: len(page.find_all("#unknowns-list .cluster-card")) == 2)
+    cards = page.find_all("#unknowns-list .cluster-card")
+    assert cards[0].find_element(By.CSS_SELECTOR, ".meta").text.startswith("3 faces")
+    assert cards[1].find_element(By.CSS_SELECTOR, ".meta").text.startswith("2 faces")
+    assert "2 unknown people · 5 faces kept" in page.text("#unknowns-summary")
+    assert "false accepts" in page.text("#unknowns-rule")
+    page.wait(
+        lambda d: (
+            len(page.find_all("#unknowns-list .cluster-card img")) == 5
+            and all(
+                d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img)
+                for img in page.find_all("#unknowns-list .cluster-card img")
+            )
+        )
+    )
+    page.shot("unknown_people")
+
+    first = page.find("#unknowns-list .cluster-card input")
+    first.send_keys("Barack Obama")
+    first.send_keys(Keys.ENTER)
+    page.wait(
+        lambda d: page.text("#unknowns-summary").startswith(
+            "3 faces enrolled for Barack Obama (barack_obama)."
+        )
+    )
+    page.wait(lambda d: len(page.find_all("#unknowns-list .cluster-card")) == 1)
+
+    page.tab("identify")
+    page.choose("#identify-photo", photos(photos_dir, "obama")[3])
+    page.find("#identify-run").click()
+    page.wait(lambda d: page.text("#identify-summary").startswith("1 face: 1 known, 0 unknown."))
+    assert [t.text for t in page.find_all("#identify-slot svg.faces text.label")] == ["Barack Obama"]
+    assert page.console_problems() == []
+
+
 # -- keyboard, phone width, docs --------------------------------------------------------------
 
 
@@ -462,7 +508,11 @@ def test_tabs_work_with_the_keyboard(page, gallery):
     assert page.driver.switch_to.active_element.get_attribute("id") == "tab-identify"
     assert not page.visible("#panel-verify")
     page.driver.switch_to.active_element.send_keys(Keys.END)
+    page.wait_visible("#panel-unknowns")
+    page.driver.switch_to.active_element.send_keys(Keys.ARROW_LEFT)
     page.wait_visible("#panel-gallery")
+    page.driver.switch_to.active_element.send_keys(Keys.END)
+    page.wait_visible("#panel-unknowns")
     page.driver.switch_to.active_element.send_keys(Keys.ARROW_RIGHT)  # wraps round
     page.wait_visible("#panel-verify")
     # every control of the verify tab can be reached with Tab and has a label

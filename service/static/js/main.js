@@ -3,6 +3,7 @@
 import { api, apiKey, describe, setApiKey } from "./api.js";
 import { Gallery } from "./gallery.js";
 import { setUpIdentify } from "./identify.js";
+import { Unknowns } from "./unknowns.js";
 import { setUpVerify } from "./verify.js";
 
 /** What the tabs share: the served model, the key's scope, the status line. */
@@ -101,7 +102,7 @@ function setUpTabs(onShow) {
   fromAddress();
 }
 
-function setUpKey(app, gallery) {
+function setUpKey(app, gallery, unknowns) {
   const form = document.getElementById("key-form");
   const input = document.getElementById("api-key");
   input.value = apiKey();
@@ -110,23 +111,27 @@ function setUpKey(app, gallery) {
     setApiKey(input.value.trim());
     await app.checkKey();
     gallery.load(0);
+    unknowns.load(0);
   });
   document.getElementById("forget-key").addEventListener("click", async () => {
     setApiKey("");
     input.value = "";
     await app.checkKey();
     gallery.load(0);
+    unknowns.load(0);
   });
 }
 
 async function main() {
   const app = new App();
   const gallery = new Gallery(app);
+  const unknowns = new Unknowns(app);
   setUpVerify(app);
   setUpIdentify(app);
-  setUpKey(app, gallery);
+  setUpKey(app, gallery, unknowns);
   setUpTabs((name) => {
     if (name === "gallery") gallery.load();
+    if (name === "unknowns") unknowns.load();
   });
   await Promise.all([app.refreshStatus(), app.checkKey()]);
   document.body.dataset.ready = "true";
