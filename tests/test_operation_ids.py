@@ -10,7 +10,7 @@ import pytest
 from fastapi import APIRouter
 
 from service.app import create_app
-from service.routes import events, faces, gallery, health, identify, page
+from service.routes import events, faces, gallery, health, identify, page, unknowns
 
 #: (method, path) -> operationId, for every operation of the API.
 OPERATIONS = {
@@ -35,6 +35,12 @@ OPERATIONS = {
     ("get", "/v1/events/dead-letters"): "list_dead_letters",
     ("post", "/v1/events/dead-letters/{webhook}/{letter_id}/redeliver"): "redeliver_dead_letter",
     ("delete", "/v1/events/dead-letters/{webhook}/{letter_id}"): "delete_dead_letter",
+    ("get", "/v1/unknowns/clusters"): "list_unknown_clusters",
+    ("get", "/v1/unknowns/clusters/{cluster_id}"): "get_unknown_cluster",
+    ("post", "/v1/unknowns/clusters/{cluster_id}/enroll"): "enroll_unknown_cluster",
+    ("delete", "/v1/unknowns/clusters/{cluster_id}"): "delete_unknown_cluster",
+    ("delete", "/v1/unknowns/faces/{face_id}"): "delete_unknown_face",
+    ("get", "/v1/unknowns/faces/{face_id}/image"): "get_unknown_face_image",
 }
 METHOD_SUFFIX = re.compile(r"_(get|post|put|patch|delete|head|options)$")
 
@@ -63,7 +69,9 @@ def test_every_operation_has_exactly_one_tag(operations):
         assert len(op.get("tags", [])) == 1, (key, op.get("tags"))
 
 
-@pytest.mark.parametrize("module", [events, faces, gallery, health, identify, page], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [events, faces, gallery, health, identify, page, unknowns], ids=lambda m: m.__name__
+)
 def test_each_router_declares_one_tag_for_all_its_routes(module):
     router: APIRouter = module.router
     assert len(router.tags) == 1
