@@ -80,6 +80,7 @@ def _rule(pool: UnknownPool) -> MergeRule:
         threshold_far=rule.far,
         threshold_name=rule.name,
         false_merge_rate=rule.false_merge_rate,
+        mixed_cluster_rate=rule.mixed_cluster_rate,
     )
 
 

@@ -189,6 +189,7 @@ class MergeRule:
     far: float | None
     name: str
     false_merge_rate: float | None = None
+    mixed_cluster_rate: float | None = None
 
 
 #: The file of a model folder with the LFW clustering measurements (``bench/unknown_clusters.py``).
@@ -204,11 +205,11 @@ def merge_rule(manifest, name: str, model_dir: Path) -> MergeRule | None:
             break
     else:
         return None
-    rate = None
     measured = Path(model_dir) / MEASURED_FILE
-    if measured.is_file():
-        rate = json.loads(measured.read_text()).get("false_merge_rate", {}).get(key)
-    return MergeRule(known.value, known.far, key, rate)
+    numbers = json.loads(measured.read_text()) if measured.is_file() else {}
+    rate = numbers.get("false_merge_rate", {}).get(key)
+    mixed = numbers.get("mixed_cluster_rate", {}).get(key)
+    return MergeRule(known.value, known.far, key, rate, mixed)
 
 
 def pool_for(settings, manifest, client: redis.Redis | RedisCluster) -> UnknownPool | None:

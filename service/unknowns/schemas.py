@@ -30,6 +30,10 @@ class MergeRule(BaseModel):
         description="measured on every LFW photo, clustered in a shuffled order with nobody enrolled: "
         "the fraction of same-cluster face pairs that are two different people (1 - pairwise precision)"
     )
+    mixed_cluster_rate: float | None = Field(
+        None,
+        description="measured likewise: the fraction of clusters of 2 or more faces holding 2 or more people",
+    )
 
 
 class UnknownClusterOut(BaseModel):
