@@ -53,6 +53,7 @@ class TrackedFace:
     score: float
     quality: float
     embedding: np.ndarray | None = None
+    detection: int = -1  # its place among the frame's detections
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Track:
     faces: list[TrackedFace] = field(default_factory=list)
     embedding_sum: np.ndarray | None = None
     embedded_at: int = -(10**9)
+    #: what the caller kept of the track's best face so far (e.g. the face's region of its frame)
+    best_kept: object = None
+    best_kept_quality: float = -1.0
 
     @property
     def last(self) -> TrackedFace:

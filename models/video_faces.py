@@ -50,6 +50,9 @@ class VideoFaces:
         audit: embed every face and keep ``(time_s, box, embedding)`` of each here, while the
             tracker still gets only the embeddings its rule asks for (the benchmark's per-frame
             decisions); None: embed only those.
+        keep_best: ``keep_best(image, face)`` is called with the frame whenever a track's face is
+            its best so far, and what it returns is kept as the track's ``best_kept`` (the service
+            keeps the face's region, to show an unknown person); None: nothing is kept.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class VideoFaces:
         settings: TrackerSettings,
         quality: QualityFn = default_quality,
         audit: list | None = None,
+        keep_best: Callable[[np.ndarray, DetectedFace], object] | None = None,
     ) -> None:
         self.audit = audit
+        self.keep_best = keep_best
         self.pipeline = pipeline
         self.tracker = FaceTracker(settings)
         self.quality = quality
@@ -103,7 +108,17 @@ class VideoFaces:
         changed = self.tracker.update(plan, frame.index, frame.time_s, boxes, scores, qualities, embeddings)
         self.times.add("track", time.perf_counter() - clock)
         self.ended.extend(changed[1])
+        if self.keep_best is not None:
+            self._keep_best(frame, found)
         return changed
+
+    def _keep_best(self, frame: VideoFrame, found: list[DetectedFace]) -> None:
+        """Keep what ``keep_best`` makes of each face of this frame that is its track's best."""
+        for track in self.tracker.live:
+            face = track.last
+            if face.frame == frame.index and face.quality > track.best_kept_quality:
+                track.best_kept = self.keep_best(frame.image, found[face.detection])
+                track.best_kept_quality = face.quality
 
     def finish(self) -> list[Track]:
         """End the live tracks (the video ended); every track of the video, in the order they started."""

@@ -273,9 +273,9 @@ def _run_watch(args: argparse.Namespace) -> int:
         reconnect_max_s=args.reconnect_max, max_reconnects=args.max_reconnects, progress=not args.quiet,
     )  # fmt: skip
     pipeline = load_pipeline(settings)
-    with gallery_search(settings, pipeline.manifest) as (search, names, events):
+    with gallery_search(settings, pipeline.manifest) as (search, names, events, unknowns):
         watcher = Watcher(pipeline, search, names, None if args.no_events else events, settings, options,
-                          sys.stdout)  # fmt: skip
+                          sys.stdout, unknowns)  # fmt: skip
         try:
             watcher.run()
         except KeyboardInterrupt:

@@ -362,6 +362,12 @@ class VideoTrack(BaseModel):
     decided_on: int = Field(description="faces whose mean embedding made the decision (its best ones)")
     best_face: TrackFace
     path: list[TrackFace] = Field(description="the track's faces in order: its boxes over time")
+    unknown_face_id: str | None = Field(
+        None,
+        description="with SPHEREFACE_KEEP_UNKNOWN=true, an unknown track's kept face (its decision "
+        "embedding and the region of its best face)",
+    )
+    cluster_id: str | None = Field(None, description="the unknown-face cluster that face is in now")
 
 
 class VideoIdentifyResponse(BaseModel):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from models.manifest import ModelManifest
 from models.tracking import Track, TrackedFace, TrackerSettings
 from models.video import VideoLimits
@@ -96,6 +98,27 @@ def track_ended_data(track: VideoTrack, source: str, model_id: str) -> dict:
         "faces": track.faces,
         "best_face": track.best_face.model_dump(),
     }
+
+
+def keep_unknown_tracks(pool, decisions: list[TrackDecision], answers: list[VideoTrack], source: str,
+                        sha256: str, best_n: int) -> None:  # fmt: skip
+    """Keep each ``unknown`` track in the unknown-face pool (its decision embedding, and the region
+    of its best face when one was kept) and name the kept face and its cluster in its answer."""
+    from service.unknowns.pool import KeptFace
+
+    for decision, answer in zip(decisions, answers, strict=True):
+        if answer.status != "unknown":
+            continue
+        best = decision.track.best_face()
+        kept = KeptFace(
+            embedding=decision.track.decision_embedding(best_n).astype(np.float32),
+            source=source,
+            photo_sha256=sha256,
+            box=[float(v) for v in best.box],
+            detection_score=best.score,
+            region=decision.track.best_kept,
+        )
+        answer.unknown_face_id, answer.cluster_id = pool.add(kept)
 
 
 #: ``names(subject_ids) -> {id: name}``

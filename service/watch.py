@@ -23,7 +23,14 @@ from models.tracking import Track
 from models.video import UnreadableVideoError, VideoLimits, is_network_source, sample_frames
 from models.video_faces import VideoFaces, decide_tracks
 from service.events.stream import TRACK_ENDED, TRACK_STARTED, EventStream
-from service.video import track_ended_data, track_schema, track_started_data, tracker_settings, video_limits
+from service.video import (
+    keep_unknown_tracks,
+    track_ended_data,
+    track_schema,
+    track_started_data,
+    tracker_settings,
+    video_limits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +66,10 @@ class Watcher:
     """
 
     def __init__(self, pipeline, search, names, events: EventStream | None, settings, options: WatchOptions,
-                 out: IO[str]) -> None:  # fmt: skip
+                 out: IO[str], unknowns=None) -> None:  # fmt: skip
         self.pipeline, self.search, self.names, self.events = pipeline, search, names, events
+        self.unknowns = unknowns
+        self.keep_best = _region if unknowns is not None and settings.store_face_images else None
         self.options, self.out = options, out
         manifest = pipeline.manifest
         self.rule = tracker_settings(settings, manifest, options.min_faces)
@@ -92,7 +101,7 @@ class Watcher:
 
     def _session(self, stop: Callable[[], bool]) -> Iterator[None]:
         """One opening of the source: frames through the tracker until it ends or breaks."""
-        faces = VideoFaces(self.pipeline, self.rule)
+        faces = VideoFaces(self.pipeline, self.rule, keep_best=self.keep_best)
         try:
             for frame in sample_frames(self.options.source, self.limits):
                 started, ended = faces.frame(frame)
@@ -120,6 +129,8 @@ class Watcher:
             return
         names = self.names(sorted({h.subject_id for d in decisions for h in d.candidates}))
         answers = [track_schema(d, names, self.rule.best_n) for d in decisions]
+        if self.unknowns is not None:
+            keep_unknown_tracks(self.unknowns, decisions, answers, self.options.source, "", self.rule.best_n)
         for track in answers:
             self.decided += 1
             self.known += track.status == "known"
@@ -142,6 +153,12 @@ class Watcher:
         )  # fmt: skip
 
 
+def _region(image, face):
+    from service.gallery.face_images import cut_face_region
+
+    return cut_face_region(image, face.box, face.landmarks)
+
+
 def _model_threshold(manifest) -> float:
     known = manifest.thresholds.get("identification") or manifest.thresholds.get("verification")
     if known is None:
@@ -157,13 +174,15 @@ def _sleep(seconds: float, stop: Callable[[], bool]) -> None:
 
 @contextmanager
 def gallery_search(settings, manifest) -> Iterator[tuple]:
-    """The gallery's search, names and event stream for ``watch`` (the Redis of the settings)."""
+    """The gallery's search, names, event stream and unknown-face pool (None unless
+    ``SPHEREFACE_KEEP_UNKNOWN``) for ``watch`` (the Redis of the settings)."""
     from service.app import make_search
     from service.gallery.store import GalleryStore
     from service.main import gallery_client_of
+    from service.unknowns.pool import pool_for
 
     with gallery_client_of(settings) as client:
         store = GalleryStore(client, settings.redis_prefix)
         search = make_search(settings, store, manifest.model_id, manifest.output_size)
         events = EventStream(client, settings.redis_prefix, maxlen=settings.events_stream_maxlen)
-        yield search.search, store.subject_names, events
+        yield search.search, store.subject_names, events, pool_for(settings, manifest, client)

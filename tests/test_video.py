@@ -118,6 +118,39 @@ def test_a_clip_of_two_enrolled_people_and_a_stranger_gives_three_decided_tracks
         assert verify_signature(headers, raw), headers
 
 
+def test_an_unknown_track_is_kept_clustered_and_once_named_is_known(
+    clip, default_model_dir, redis_url, photos_dir
+):
+    """With unknown faces kept, the stranger's track becomes one kept face (with the region of its
+    best face); naming its cluster makes the stranger known in the same clip sent again."""
+    with make_client(default_model_dir, redis_url, keep_unknown=True, redis_prefix="vid5:") as client:
+        enroll_people(client, photos_dir)
+        first = post_clip(client, clip.read_bytes(), source="door-camera").json()["tracks"]
+        stranger = first[2]
+        assert stranger["status"] == "unknown" and stranger["unknown_face_id"] and stranger["cluster_id"]
+        assert first[0]["unknown_face_id"] is None  # known tracks are not kept
+        page = client.get("/v1/unknowns/clusters").json()
+        assert [c["id"] for c in page["clusters"]] == [stranger["cluster_id"]]
+        kept = page["clusters"][0]["representatives"][0]
+        assert kept["id"] == stranger["unknown_face_id"] and kept["source"] == "door-camera"
+        image = client.get(f"/v1/unknowns/faces/{kept['id']}/image")
+        assert image.status_code == 200 and image.content[:2] == b"\xff\xd8"  # the best face's region
+        named = client.post(
+            f"/v1/unknowns/clusters/{stranger['cluster_id']}/enroll",
+            json={"subject_id": STRANGER, "create_subject": True, "name": "John Lennon"},
+        )
+        assert named.status_code == 200, named.text
+        again = post_clip(client, clip.read_bytes()).json()["tracks"]
+        with open(photos_dir / "people" / STRANGER / "2.jpg", "rb") as f:  # a photo the clip does not show
+            photo = client.post("/v1/identify", files={"photo": ("2.jpg", f, "image/jpeg")}).json()
+    assert [(f["status"], f["subject_id"]) for f in photo["faces"]] == [("known", STRANGER)], photo
+    assert [(t["status"], t["subject_id"]) for t in again] == [
+        ("known", "obama"),
+        ("known", "biden"),
+        ("known", STRANGER),
+    ]
+
+
 def test_broken_and_over_limit_clips_get_clear_errors(clip, default_model_dir, redis_url):
     data = clip.read_bytes()
     with make_client(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -11,10 +12,11 @@ from models.video import VideoTooLargeError, sample_frames
 from models.video_faces import VideoFaces, decide_tracks
 from service.auth import require_read
 from service.events.stream import TRACK_ENDED, Event, EventStream
+from service.gallery.face_images import cut_face_region
 from service.routes.common import FaceWork, StrictRoute, form_files, get_face_work, openapi_body, read_form
 from service.routes.identify import chosen_threshold
 from service.schemas import ErrorResponse, VideoIdentifyResponse
-from service.video import track_ended_data, track_schema, tracker_settings, video_limits
+from service.video import keep_unknown_tracks, track_ended_data, track_schema, tracker_settings, video_limits
 
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
 router = APIRouter(
@@ -44,13 +46,19 @@ async def identify_video(
         float | None,
         Query(ge=-1, le=1, description="cosine threshold instead of the model's identification threshold"),
     ] = None,
+    source: Annotated[
+        str | None,
+        Query(max_length=128, description="where the clip comes from (a camera), kept with unknown tracks"),
+    ] = None,
 ) -> VideoIdentifyResponse:
     """Send a clip (multipart field `video`). Frames are sampled at `sample_fps`, faces are
     detected and followed across frames (box overlap, then embedding likeness), and each track
     of at least `min_faces` faces gets one decision: the mean embedding of its best faces
     (by quality) against the gallery, `known` when the best subject reaches the threshold. Clips
     over the size, duration or frame limits are refused (413 `video_too_large`, 422
-    `video_too_long`); undecodable or truncated ones are 422 `unreadable_video`."""
+    `video_too_long`); undecodable or truncated ones are 422 `unreadable_video`. With
+    `SPHEREFACE_KEEP_UNKNOWN=true` each `unknown` track is kept as one unknown face (its decision
+    embedding, the region of its best face) and clustered like identify's."""
     form = await read_form(request, max_files=1, what="the clip (field `video`)")
     settings = work.settings
     chosen = chosen_threshold(work, threshold)
@@ -59,7 +67,9 @@ async def identify_video(
     data = await run_in_threadpool(_read_clip, upload, settings.max_video_bytes)
     manifest = work.pipeline.manifest
     rule = tracker_settings(settings, manifest, min_faces)
-    faces = VideoFaces(work.pipeline, rule)
+    state = request.app.state
+    regions = state.unknowns is not None and settings.store_face_images
+    faces = VideoFaces(work.pipeline, rule, keep_best=_region if regions else None)
     frames = sample_frames(data, video_limits(settings, sample_fps), name=upload.filename or "video")
     last_time = 0.0
     try:
@@ -68,17 +78,21 @@ async def identify_video(
     finally:
         frames.close()  # the container closes at once, also after an error or a lost client
     tracks = faces.finish()
-    state = request.app.state
-    decisions, short = await work.off_turn(_decide, state, tracks, rule, chosen[0], k)
+    decided, answers, short = await work.off_turn(_decide, state, tracks, rule, chosen[0], k)
+    name = upload.filename or "video"
+    if state.unknowns is not None:
+        sha = hashlib.sha256(data).hexdigest()
+        where = source or f"video:{name}"
+        await work.off_turn(keep_unknown_tracks, state.unknowns, decided, answers, where, sha, rule.best_n)
     answer = VideoIdentifyResponse(
         model_id=manifest.model_id, threshold=chosen[0], threshold_far=chosen[1], threshold_source=chosen[2],
         k=k, sample_fps=sample_fps or settings.video_sample_fps, frames=faces.times.frames,
         duration_s=round(last_time, 3), faces=faces.times.faces, embedded=faces.times.embedded,
-        short_tracks=short, tracks=decisions,
+        short_tracks=short, tracks=answers,
     )  # fmt: skip
     events: EventStream = state.events
     if events.identification and answer.tracks:
-        source = f"upload:{upload.filename or 'video'}"
+        source = f"upload:{name}"
         published = [
             Event(TRACK_ENDED, track_ended_data(t, source, manifest.model_id)) for t in answer.tracks
         ]
@@ -106,8 +120,14 @@ def _next_frame(faces: VideoFaces, frames) -> float | None:
 
 
 def _decide(state, tracks, rule, threshold: float, k: int):
-    """Every track's decision as the API answers it, and the number too short to decide (Redis work)."""
+    """Every track's decision, as the API answers it too, and the number too short to decide
+    (Redis work)."""
     decisions, short = decide_tracks(tracks, state.search.search, threshold, rule, k)
     ids = sorted({h.subject_id for d in decisions for h in d.candidates})
     names = state.store.subject_names(ids)
-    return [track_schema(d, names, rule.best_n) for d in decisions], short
+    return decisions, [track_schema(d, names, rule.best_n) for d in decisions], short
+
+
+def _region(image, face):
+    """The stored region of a track's best face (as the gallery keeps around enrolled faces)."""
+    return cut_face_region(image, face.box, face.landmarks)
