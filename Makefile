@@ -27,7 +27,7 @@ HS_CONFIGS := $(filter-out %_seed1.toml %/base.toml,$(sort $(wildcard $(HS_CIFAR
 	$(sort $(wildcard $(HS_CIFAR)/*_seed1.toml))
 HS_FACES := $(sort $(wildcard training/configs/hyperspherical/sf4_*.toml))
 
-.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local gpu-pack gpu-check bench-video \
+.PHONY: install test lint cli-docs serve screenshots reliability image-test models torchvision-env bench bench-service bench-verify-default bench-largest-face bench-decode bench-session-options bench-detector-threads bench-hyperspherical bench-gallery-scan bench-gallery-memory bench-models int8-model bench-train bench-train-overhead bench-megaface-1m megaface-local gpu-pack gpu-check bench-video bench-unknown-clusters \
 	prepare-celeba loss-table hyperspherical-table opt-table bench-opt sphereface-celeba-model default-model-results quality-results clean
 
 $(BIN)/sphereface: pyproject.toml
@@ -266,6 +266,12 @@ bench-train-overhead: prepare-celeba
 # frames per second at 720p and 1080p (docs/results/video.md; about 10 minutes on 2 cores).
 bench-video: install
 	$(BIN)/python bench/video.py --json docs/results/bench_video.json
+
+# Unknown-face clustering on all of LFW against an immich-style rule, and the cost per face up to 1M
+# pooled faces (docs/results/unknown-clusters.md; about 15 minutes on 2 cores, the embeddings cached).
+bench-unknown-clusters: install
+	$(BIN)/python bench/unknown_clusters.py --write-model --json docs/results/unknown_clusters.json
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/unknown_clusters.py --cost-only --repeats 30
 
 # The GPU check (docs/gpu.md). gpu-pack, here: the prepared celeba_faces crops and 600 LFW pairs as JPEG in
 # .cache/gpu-pack (about 26 MiB, seconds), which the device tool carries to a lent GPU machine. gpu-check:
