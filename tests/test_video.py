@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -173,21 +174,77 @@ def test_broken_and_over_limit_clips_get_clear_errors(clip, default_model_dir, r
         assert (too_fast.status_code, too_fast.json()["code"]) == (422, "invalid_request")
 
 
-def test_a_clip_without_a_duration_in_its_header_is_still_bounded(clip, tmp_path):
-    """A stream (MPEG-TS) states no duration: the bound holds while reading."""
+@pytest.fixture(scope="module")
+def clip_ts(clip, tmp_path_factory) -> Path:
+    """The clip remuxed as MPEG-TS: a stream format, whose header states no duration."""
     import av
 
-    ts = tmp_path / "clip.ts"
+    ts = tmp_path_factory.mktemp("ts") / "clip.ts"
     with av.open(str(clip)) as source, av.open(str(ts), "w", format="mpegts") as target:
         out = target.add_stream_from_template(source.streams.video[0])
         for packet in source.demux(source.streams.video[0]):
             if packet.dts is not None:
                 packet.stream = out
                 target.mux(packet)
+    return ts
+
+
+def test_a_clip_without_a_duration_in_its_header_is_still_bounded(clip_ts):
     with pytest.raises(VideoTooLongError):
-        list(sample_frames(str(ts), VideoLimits(sample_fps=2, max_seconds=3.0)))
-    frames = list(sample_frames(str(ts), VideoLimits(sample_fps=2, max_seconds=None)))
+        list(sample_frames(str(clip_ts), VideoLimits(sample_fps=2, max_seconds=3.0)))
+    frames = list(sample_frames(str(clip_ts), VideoLimits(sample_fps=2, max_seconds=None)))
     assert [round(f.time_s, 1) for f in frames[:4]] == [0.0, 0.5, 1.0, 1.5] and len(frames) == 16
+
+
+class BreakingStream:
+    """An HTTP camera: the first connection sends the first ``cut`` of the clip's bytes and drops,
+    the second sends it all, later ones get 503 (the camera went away)."""
+
+    def __init__(self, data: bytes, cut: float = 0.5) -> None:
+        self.connections = 0
+        stream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stream.connections += 1
+                if stream.connections > 2:
+                    self.send_error(503)
+                    return
+                body = data[: int(len(data) * cut)] if stream.connections == 1 else data
+                self.send_response(200)
+                self.send_header("Content-Type", "video/mp2t")
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/door.ts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_watch_reconnects_a_stream_that_breaks_off_and_decides_each_part(
+    clip_ts, default_model_dir, redis_url, photos_dir
+):
+    with make_client(default_model_dir, redis_url, redis_prefix="vid6:") as client:
+        enroll_people(client, photos_dir)
+    camera = BreakingStream(clip_ts.read_bytes())
+    env = {"SPHEREFACE_REDIS_URL": redis_url, "SPHEREFACE_REDIS_PREFIX": "vid6:",
+           "SPHEREFACE_MODEL": str(default_model_dir), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+    try:
+        done = run_watch([camera.url, "--max-reconnects", "1", "--reconnect-max", "1", "--no-events"], env)
+    finally:
+        camera.server.shutdown()
+    assert camera.connections == 3  # cut, whole, refused: then watch gives up
+    assert done.returncode == 2 and "error [unreadable_video]" in done.stderr, done.stderr
+    assert done.stderr.count("opening it again") == 2
+    tracks = [json.loads(line) for line in done.stdout.splitlines()]
+    named = [t["subject_id"] for t in tracks if t["status"] == "known"]
+    # the first connection's half shows obama (ended at the break) and biden; the second, all three
+    assert named.count("obama") == 2 and "biden" in named, tracks
+    assert sum(t["status"] == "unknown" for t in tracks) >= 1
 
 
 def silent_server() -> tuple[socket.socket, int]:
