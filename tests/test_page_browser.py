@@ -2,7 +2,8 @@
 against a real `sphereface serve` process, a real redis-server and real photos.
 
 A person verifies a genuine and an impostor pair and reads the decision, enrolls two people and
-identifies both in a two-face photo, names a group of unknown faces, sees the API's message for a
+identifies both in a two-face photo, names the people of a video clip once each, names a group of
+unknown faces, sees the API's message for a
 text file, pages, searches, renames and deletes in the gallery, uses the tabs with the keyboard
 and the page at phone width; `/docs` and `/redoc` render with nothing loaded from another host.
 
@@ -455,6 +456,45 @@ def test_the_page_waits_out_a_rate_limit_instead_of_failing(page, gallery, modul
 
 
 # -- unknown people ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clip(default_model_dir, photos_dir, tmp_path_factory) -> Path:
+    """tests/test_video.py's clip: obama and biden (photos 2) cross the frame, lennon walks in."""
+    pytest.importorskip("av", reason="the Video tab needs PyAV: pip install '.[video]'")
+    from bench.video_clip import actor_photo, two_people_and_a_stranger, write_clip
+    from models.pipeline import FacePipeline
+
+    pipeline = FacePipeline(default_model_dir)
+    people = photos_dir / "people"
+    cast = {"a": ("obama", "2"), "b": ("biden", "2"), "stranger": ("lennon", "1")}
+    actors = {k: actor_photo(pipeline, people / who / f"{n}.jpg", who) for k, (who, n) in cast.items()}
+    path = tmp_path_factory.mktemp("clip") / "door.mp4"
+    write_clip(path, two_people_and_a_stranger(actors), width=640, height=360, seconds=8.0)
+    return path
+
+
+def test_a_clip_in_the_video_tab_names_each_person_once(page, gallery, photos_dir, clip):
+    for subject, name in (("obama", "Barack Obama"), ("biden", "Joe Biden")):
+        assert gallery.post("/v1/subjects", json={"id": subject, "name": name}).status_code == 201
+        photo = photos(photos_dir, subject)[0]
+        files = [("photos", (photo.name, photo.read_bytes()))]
+        r = gallery.post(f"/v1/subjects/{subject}/faces", files=files)
+        assert r.status_code == 200, r.text
+    page.open(fragment="#video")
+    page.choose("#video-file", clip)
+    page.find("#video-run").click()
+    page.wait_visible("#video-result", timeout=120)
+    tracks = page.find_all("#video-tracks li")
+    names = [li.find_element(By.CSS_SELECTOR, ".who strong").text for li in tracks]
+    assert names == ["Barack Obama", "Joe Biden", "unknown"]
+    summary = page.text("#video-summary")
+    assert summary.startswith("3 people seen: 2 known, 1 unknown. 40 frames at 5 per second"), summary
+    assert "kept with the unknown people" in page.text("#video-tracks li.unknown")
+    # each track's best face, cut from the clip in the browser at its time and box
+    page.wait(lambda d: len(page.find_all("#video-tracks canvas.track-thumb")) == 3)
+    page.shot("video")
+    assert page.console_problems() == []
 
 
 def test_unknown_people_are_grouped_and_named_in_the_page(page, gallery, photos_dir):

@@ -4,6 +4,7 @@ import { api, apiKey, describe, setApiKey } from "./api.js";
 import { Gallery } from "./gallery.js";
 import { setUpIdentify } from "./identify.js";
 import { Unknowns } from "./unknowns.js";
+import { setUpVideo } from "./video.js";
 import { setUpVerify } from "./verify.js";
 
 /** What the tabs share: the served model, the key's scope, the status line. */
@@ -128,6 +129,7 @@ async function main() {
   const unknowns = new Unknowns(app);
   setUpVerify(app);
   setUpIdentify(app);
+  setUpVideo(app);
   setUpKey(app, gallery, unknowns);
   setUpTabs((name) => {
     if (name === "gallery") gallery.load();
