@@ -18,8 +18,10 @@ faces.
 
 **Cost.** One 10 s clip of two people per resolution (1280x720, 1920x1080), sampled at
 ``--sample-fps``, through decode, detect (the service's settings: detection at 1024 px on the
-longer side), track and embed, with tracking's skipping (default rule) and with every face embedded
-(``reembed_every=1``), in ``--rounds`` interleaved rounds: medians with ranges.
+longer side), track and embed, three ways: every face detected in the whole frame and embedded
+(``reembed_every=1``: a per-frame pipeline), the tracker's embedding rule, and that rule with the
+whole frame detected only every ``--keyframe-every`` sampled frames (around the tracked faces in
+between); in ``--rounds`` rounds, the order rotated each round: medians with ranges.
 """
 
 from __future__ import annotations
@@ -113,10 +115,18 @@ def truth_of(box: np.ndarray, faces: list[tuple[str, np.ndarray]]) -> str | None
     return faces[best][0] if iou[best] >= 0.3 else None
 
 
-def score_clip(pipeline, clip: Path, truth, gallery: MemoryGallery, threshold: float, rule: TrackerSettings):
+def score_clip(
+    pipeline,
+    clip: Path,
+    truth,
+    gallery: MemoryGallery,
+    threshold: float,
+    rule: TrackerSettings,
+    keyframes: int,
+):
     """Per-face truths, per-frame and per-track decisions of one clip."""
     every: list = []
-    faces = VideoFaces(pipeline, rule, audit=every)
+    faces = VideoFaces(pipeline, rule, audit=every, keyframe_every=keyframes)
     for frame in sample_frames(str(clip), VideoLimits(sample_fps=5, max_seconds=None, max_frames=None)):
         faces.frame(frame)
     tracks = faces.finish()
@@ -174,7 +184,7 @@ def accuracy(args, pipeline, threshold: float, rule: TrackerSettings, work: Path
     for seed in range(args.clips):
         clip = work / f"clip{seed}.mp4"
         truth = make_clip(pipeline, args.lfw, enrolled[: args.clips * 2], strangers, seed, clip)
-        rows = score_clip(pipeline, clip, truth, gallery, threshold, rule)
+        rows = score_clip(pipeline, clip, truth, gallery, threshold, rule, args.keyframe_every)
         for key in ("frame", "track", "track_faces"):
             totals[key] += rows[key]
         totals["purity"] = [a + b for a, b in zip(totals["purity"], rows["purity"], strict=True)]
@@ -224,8 +234,8 @@ def cost_clip(pipeline, photos: Path, width: int, height: int, out: Path) -> Non
     )
 
 
-def one_run(pipeline, clip: Path, rule: TrackerSettings, sample_fps: float) -> dict:
-    faces = VideoFaces(pipeline, rule)
+def one_run(pipeline, clip: Path, rule: TrackerSettings, sample_fps: float, keyframes: int = 1) -> dict:
+    faces = VideoFaces(pipeline, rule, keyframe_every=keyframes)
     frames = sample_frames(
         str(clip),
         VideoLimits(sample_fps=sample_fps, max_seconds=None, max_frames=None, max_pixels=1920 * 1088),
@@ -251,23 +261,35 @@ def one_run(pipeline, clip: Path, rule: TrackerSettings, sample_fps: float) -> d
     }
 
 
-def cost(args, pipeline, rule: TrackerSettings, work: Path) -> dict:
+def cost_modes(rule: TrackerSettings, keyframes: int) -> dict[str, tuple[TrackerSettings, int]]:
+    """The pipelines timed: every face detected in the whole frame and embedded (per frame), the
+    tracker's embedding rule alone, and with whole-frame detection only every ``keyframes``."""
     every = TrackerSettings(**{**rule.__dict__, "reembed_every": 1})
+    return {
+        "every face": (every, 1),
+        "tracking": (rule, 1),
+        f"tracking, whole frame every {keyframes}": (rule, keyframes),
+    }
+
+
+def cost(args, pipeline, rule: TrackerSettings, work: Path) -> dict:
+    modes = cost_modes(rule, args.keyframe_every)
+    names = list(modes)
     results = {}
     for label, (w, h) in (("720p", (1280, 720)), ("1080p", (1920, 1080))):
         clip = work / f"cost_{label}.mp4"
         cost_clip(pipeline, args.photos, w, h, clip)
         one_run(pipeline, clip, rule, args.sample_fps)  # warm-up
-        runs = {"tracking": [], "every face": []}
+        runs: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
-            order = ("tracking", "every face") if r % 2 == 0 else ("every face", "tracking")
-            for mode in order:
-                runs[mode].append(
-                    one_run(pipeline, clip, rule if mode == "tracking" else every, args.sample_fps)
-                )
-        results[label] = {mode: _summarise(rs) for mode, rs in runs.items()}
-        speed = [e["wall_s"] / t["wall_s"] for t, e in zip(runs["tracking"], runs["every face"], strict=True)]
-        results[label]["speed_up_from_tracking"] = spread(speed, 2)
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated each round
+                settings, keyframes = modes[name]
+                runs[name].append(one_run(pipeline, clip, settings, args.sample_fps, keyframes))
+        results[label] = {name: _summarise(rs) for name, rs in runs.items()}
+        base = runs["every face"]
+        for name in names[1:]:
+            speed = [b["wall_s"] / t["wall_s"] for t, b in zip(runs[name], base, strict=True)]
+            results[label][name]["speed_up"] = spread(speed, 2)
         print(f"{label}: {json.dumps(results[label])}", flush=True)
     return results
 
@@ -292,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gallery", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sample-fps", type=float, default=5.0)
+    ap.add_argument("--keyframe-every", type=int, default=None, help="default: the service's setting")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", choices=("accuracy", "cost"), default=None)
     ap.add_argument(
@@ -300,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     settings = Settings()
+    if args.keyframe_every is None:
+        args.keyframe_every = settings.video_keyframe_every
     pipeline = load_pipeline(settings)
     manifest = pipeline.manifest
     rule = tracker_settings(settings, manifest)
@@ -313,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "threshold": threshold,
         "rule": rule.__dict__,
         "sample_fps": args.sample_fps,
+        "keyframe_every": args.keyframe_every,
         "command": " ".join(sys.argv),
     }
     with tempfile.TemporaryDirectory() as tmp:

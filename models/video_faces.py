@@ -14,7 +14,7 @@ from models.align import align_faces
 from models.mtcnn import DetectedFace
 from models.pipeline import FacePipeline
 from models.quality import face_quality
-from models.tracking import FaceTracker, Track, TrackerSettings
+from models.tracking import FaceTracker, Track, TrackerSettings, box_iou
 from models.video import VideoFrame
 
 #: ``quality(face, crop) -> 0..1``: how far a detected face (with its aligned crop) can be trusted.
@@ -40,6 +40,41 @@ class StageTimes:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
+#: Around a live track's last box, the region searched between keyframes, in box sides.
+REGION_SCALE = 2.5
+
+
+def detect_near(detector, image: np.ndarray, boxes: list[np.ndarray], scale: float = REGION_SCALE):
+    """Faces found in the regions around ``boxes`` (``scale`` box sides, clipped to the image), in
+    pixels of ``image``; a face found from two regions is kept once (the higher score)."""
+    height, width = image.shape[:2]
+    found: list[DetectedFace] = []
+    for box in boxes:
+        side = scale * max(box[2] - box[0], box[3] - box[1])
+        cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+        x0, y0 = int(max(0, cx - side / 2)), int(max(0, cy - side / 2))
+        x1, y1 = int(min(width, cx + side / 2)), int(min(height, cy + side / 2))
+        if x1 - x0 < 12 or y1 - y0 < 12:
+            continue
+        offset = np.array([x0, y0], np.float64)
+        for f in detector.detect(np.ascontiguousarray(image[y0:y1, x0:x1])):
+            found.append(
+                DetectedFace(
+                    np.asarray(f.box) + np.tile(offset, 2), f.score, np.asarray(f.landmarks) + offset
+                )
+            )
+    return _distinct(found)
+
+
+def _distinct(faces: list[DetectedFace], iou: float = 0.5) -> list[DetectedFace]:
+    """``faces`` without the lower-scored of two that overlap by ``iou`` or more."""
+    kept: list[DetectedFace] = []
+    for face in sorted(faces, key=lambda f: -f.score):
+        if not kept or box_iou(np.asarray(face.box)[None], np.stack([k.box for k in kept])).max() < iou:
+            kept.append(face)
+    return kept
+
+
 class VideoFaces:
     """Faces of the sampled frames of one video, tracked.
 
@@ -53,6 +88,10 @@ class VideoFaces:
         keep_best: ``keep_best(image, face)`` is called with the frame whenever a track's face is
             its best so far, and what it returns is kept as the track's ``best_kept`` (the service
             keeps the face's region, to show an unknown person); None: nothing is kept.
+        keyframe_every: detect in the whole frame every this many sampled frames; in the frames
+            between, only around the boxes of the tracks seen in the last ``box_gap_s``
+            (:func:`detect_near`), and not at all when there are none. A new face is found at the
+            next keyframe. 1: every frame whole.
     """
 
     def __init__(
@@ -62,7 +101,9 @@ class VideoFaces:
         quality: QualityFn = default_quality,
         audit: list | None = None,
         keep_best: Callable[[np.ndarray, DetectedFace], object] | None = None,
+        keyframe_every: int = 1,
     ) -> None:
+        self.keyframe_every = max(1, keyframe_every)
         self.audit = audit
         self.keep_best = keep_best
         self.pipeline = pipeline
@@ -75,7 +116,7 @@ class VideoFaces:
         """One sampled frame through detection, tracking and embedding; the tracks it started
         and ended."""
         clock = time.perf_counter()
-        found = self.pipeline.detector.detect(frame.image)
+        found = self._detect(frame)
         self.times.add("detect", time.perf_counter() - clock)
         self.times.frames += 1
         self.times.faces += len(found)
@@ -85,6 +126,14 @@ class VideoFaces:
         crops = align_faces(frame.image, np.stack([f.landmarks for f in found]), self.pipeline.template)
         qualities = [self.quality(f, crops[d]) for d, f in enumerate(found)]
         return self._update(frame, found, boxes, qualities, crops)
+
+    def _detect(self, frame: VideoFrame) -> list[DetectedFace]:
+        """The frame's faces: the whole frame on a keyframe, else around the recent tracks."""
+        gap = self.tracker.settings.box_gap_s
+        recent = [t.last.box for t in self.tracker.live if frame.time_s - t.end_s <= gap]
+        if frame.index % self.keyframe_every == 0:
+            return self.pipeline.detector.detect(frame.image)
+        return detect_near(self.pipeline.detector, frame.image, recent) if recent else []
 
     def _update(self, frame: VideoFrame, found, boxes: np.ndarray, qualities: list[float], crops):
         clock = time.perf_counter()

@@ -222,6 +222,13 @@ class Settings(BaseSettings):
     )
     max_video_frame_pixels: int = Field(1920 * 1088, gt=0, description="most pixels in one frame")
     video_sample_fps: float = Field(5.0, gt=0, le=30, description="frames sampled per second of video")
+    video_keyframe_every: int = Field(
+        5,
+        ge=1,
+        le=100,
+        description="detect in the whole frame every this many sampled frames; in between only around "
+        "the faces being tracked (a new face is found at the next such frame); 1: every frame whole",
+    )
     track_min_faces: int = Field(
         3, ge=1, description="a track of fewer faces gets no decision (a face seen for an instant)"
     )

@@ -70,6 +70,7 @@ class Watcher:
         self.pipeline, self.search, self.names, self.events = pipeline, search, names, events
         self.unknowns = unknowns
         self.keep_best = _region if unknowns is not None and settings.store_face_images else None
+        self.keyframe_every = settings.video_keyframe_every
         self.options, self.out = options, out
         manifest = pipeline.manifest
         self.rule = tracker_settings(settings, manifest, options.min_faces)
@@ -101,7 +102,9 @@ class Watcher:
 
     def _session(self, stop: Callable[[], bool]) -> Iterator[None]:
         """One opening of the source: frames through the tracker until it ends or breaks."""
-        faces = VideoFaces(self.pipeline, self.rule, keep_best=self.keep_best)
+        faces = VideoFaces(
+            self.pipeline, self.rule, keep_best=self.keep_best, keyframe_every=self.keyframe_every
+        )
         try:
             for frame in sample_frames(self.options.source, self.limits):
                 started, ended = faces.frame(frame)

@@ -152,6 +152,41 @@ def test_an_unknown_track_is_kept_clustered_and_once_named_is_known(
     ]
 
 
+class CountingDetector:
+    """The real detector, counting the images it is given by their shape."""
+
+    def __init__(self, detector) -> None:
+        self.detector, self.shapes = detector, []
+
+    def detect(self, image):
+        self.shapes.append(image.shape[:2])
+        return self.detector.detect(image)
+
+
+def test_between_keyframes_only_the_tracked_faces_are_searched(clip, default_model_dir):
+    from models.tracking import TrackerSettings
+    from models.video_faces import VideoFaces
+
+    pipeline = FacePipeline(default_model_dir)
+    counted = CountingDetector(pipeline.detector)
+    pipeline.detector = counted
+    runs = {}
+    for keyframes in (1, 5):
+        counted.shapes.clear()
+        faces = VideoFaces(
+            pipeline, TrackerSettings(join_cosine=0.93, split_cosine=0.73), keyframe_every=keyframes
+        )
+        for frame in sample_frames(str(clip), VideoLimits(sample_fps=5)):
+            faces.frame(frame)
+        whole = sum(shape == (360, 640) for shape in counted.shapes)
+        runs[keyframes] = (whole, len(counted.shapes), [(t.start_s, t.end_s) for t in faces.finish()])
+    assert runs[1][:2] == (40, 40)
+    assert runs[5][0] == 8 and runs[5][1] > 8  # frames 0, 5, ..., 35 whole; regions in between
+    assert len(runs[5][2]) == len(runs[1][2]) == 3
+    for (s1, e1), (s5, e5) in zip(runs[1][2], runs[5][2], strict=True):
+        assert s5 - s1 < 1.0 + 1e-6 and abs(e5 - e1) < 0.5  # a new face waits at most one second
+
+
 def test_broken_and_over_limit_clips_get_clear_errors(clip, default_model_dir, redis_url):
     data = clip.read_bytes()
     with make_client(

@@ -69,7 +69,12 @@ async def identify_video(
     rule = tracker_settings(settings, manifest, min_faces)
     state = request.app.state
     regions = state.unknowns is not None and settings.store_face_images
-    faces = VideoFaces(work.pipeline, rule, keep_best=_region if regions else None)
+    faces = VideoFaces(
+        work.pipeline,
+        rule,
+        keep_best=_region if regions else None,
+        keyframe_every=settings.video_keyframe_every,
+    )
     frames = sample_frames(data, video_limits(settings, sample_fps), name=upload.filename or "video")
     last_time = 0.0
     try:
