@@ -387,3 +387,19 @@ def _query_names(dependant) -> set[str]:
     for sub in dependant.dependencies:
         names |= _query_names(sub)
     return names
+
+
+#: The OpenAPI answer of a route that returns a stored face region (JPEG).
+FACE_IMAGE_RESPONSES: dict = {
+    200: {
+        "content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
+        "description": "the region around the face",
+    }
+}
+
+
+def face_image_response(region) -> Response:
+    """A stored face region as a JPEG answer, cacheable by this client only."""
+    return Response(
+        content=region.jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"}
+    )

@@ -36,8 +36,10 @@ from service.gallery.store import (
     embedding_sha256,
 )
 from service.routes.common import (
+    FACE_IMAGE_RESPONSES,
     FaceWork,
     StrictRoute,
+    face_image_response,
     form_files,
     get_face_work,
     openapi_body,
@@ -266,12 +268,7 @@ def delete_face(store: Store, events: Events, face_id: Annotated[str, Path(max_l
     "/faces/{face_id}/image",
     operation_id="get_face_image",
     response_class=Response,
-    responses={
-        200: {
-            "content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
-            "description": "the region around the face",
-        }
-    },
+    responses=FACE_IMAGE_RESPONSES,
     dependencies=[Depends(require_read)],
     summary="The stored region around a face (JPEG)",
 )
@@ -282,9 +279,7 @@ def face_image(store: Store, face_id: Annotated[str, Path(max_length=64)]) -> Re
     region = store.face_region(face_id)
     if region is None:
         raise NoFaceImageError(f"face {face_id!r} has no stored image")
-    return Response(
-        content=region.jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"}
-    )
+    return face_image_response(region)
 
 
 # -- bulk enrollment ----------------------------------------------------------------------------

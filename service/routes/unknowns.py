@@ -13,7 +13,7 @@ from service.auth import require_admin, require_read
 from service.errors import NoFaceImageError, ServiceError, SubjectExistsError
 from service.events.stream import FACE_ENROLLED, SUBJECT_CREATED, Event, EventStream
 from service.gallery.store import FaceRecord, GalleryStore, NewFace, check_subject_id, embedding_sha256
-from service.routes.common import PhotoFaces, StrictRoute
+from service.routes.common import FACE_IMAGE_RESPONSES, PhotoFaces, StrictRoute, face_image_response
 from service.schemas import ErrorResponse, IdentifyResponse
 from service.unknowns.pool import KeptFace, UnknownFace, UnknownPool
 from service.unknowns.schemas import (
@@ -262,12 +262,7 @@ def delete_face(pool: Pool, face_id: FaceId) -> UnknownsDeleted:
     "/faces/{face_id}/image",
     operation_id="get_unknown_face_image",
     response_class=Response,
-    responses={
-        200: {
-            "content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
-            "description": "the region around the face",
-        }
-    },
+    responses=FACE_IMAGE_RESPONSES,
     dependencies=[Depends(require_read)],
     summary="The stored region around an unknown face (JPEG)",
 )
@@ -277,6 +272,4 @@ def face_image(pool: Pool, face_id: FaceId) -> Response:
     face = pool.face(face_id, with_region=True)
     if face.region is None:
         raise NoFaceImageError(f"unknown face {face_id!r} has no stored image")
-    return Response(
-        content=face.region.jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"}
-    )
+    return face_image_response(face.region)
