@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from PIL import Image
 
 from models.align import align_faces
 from models.mtcnn import DetectedFace
@@ -44,26 +45,49 @@ class StageTimes:
 REGION_SCALE = 2.5
 
 
+#: A region is searched at the scale that makes its tracked face about this many pixels across
+#: (never enlarged): MTCNN's last stage looks at 48 pixels, so little is lost, and the pyramid of
+#: a small region is cheap.
+REGION_FACE_PX = 80.0
+
+
 def detect_near(detector, image: np.ndarray, boxes: list[np.ndarray], scale: float = REGION_SCALE):
-    """Faces found in the regions around ``boxes`` (``scale`` box sides, clipped to the image), in
-    pixels of ``image``; a face found from two regions is kept once (the higher score)."""
+    """Faces found in the regions around ``boxes`` (``scale`` box sides, clipped to the image, each
+    searched at :data:`REGION_FACE_PX`), in pixels of ``image``; a face found from two regions is
+    kept once (the higher score)."""
     height, width = image.shape[:2]
     found: list[DetectedFace] = []
     for box in boxes:
-        side = scale * max(box[2] - box[0], box[3] - box[1])
-        cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
-        x0, y0 = int(max(0, cx - side / 2)), int(max(0, cy - side / 2))
-        x1, y1 = int(min(width, cx + side / 2)), int(min(height, cy + side / 2))
-        if x1 - x0 < 12 or y1 - y0 < 12:
-            continue
-        offset = np.array([x0, y0], np.float64)
-        for f in detector.detect(np.ascontiguousarray(image[y0:y1, x0:x1])):
-            found.append(
-                DetectedFace(
-                    np.asarray(f.box) + np.tile(offset, 2), f.score, np.asarray(f.landmarks) + offset
-                )
+        face_side = max(box[2] - box[0], box[3] - box[1])
+        cx, cy, half = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2, scale * face_side / 2
+        x0, y0 = int(max(0, cx - half)), int(max(0, cy - half))
+        x1, y1 = int(min(width, cx + half)), int(min(height, cy + half))
+        if x1 - x0 >= 12 and y1 - y0 >= 12:
+            found += _detect_region(
+                detector, image[y0:y1, x0:x1], (x0, y0), min(1.0, REGION_FACE_PX / face_side)
             )
     return _distinct(found)
+
+
+def _detect_region(
+    detector, region: np.ndarray, corner: tuple[int, int], shrink: float
+) -> list[DetectedFace]:
+    """The faces of one region, searched at ``shrink`` times its size, in pixels of the image."""
+    factors = np.ones(2)
+    if shrink < 1.0:
+        height, width = region.shape[:2]
+        size = (max(12, round(width * shrink)), max(12, round(height * shrink)))
+        region = np.asarray(Image.fromarray(np.ascontiguousarray(region)).resize(size, Image.BILINEAR))
+        factors = np.array([size[0] / width, size[1] / height])
+    offset = np.array(corner, np.float64)
+    return [
+        DetectedFace(
+            np.asarray(f.box) / np.tile(factors, 2) + np.tile(offset, 2),
+            f.score,
+            (np.asarray(f.landmarks) - 0.5) / factors + 0.5 + offset,  # pixel edges, as faces_to_full
+        )
+        for f in detector.detect(np.ascontiguousarray(region))
+    ]
 
 
 def _distinct(faces: list[DetectedFace], iou: float = 0.5) -> list[DetectedFace]:
