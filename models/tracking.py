@@ -64,9 +64,14 @@ class Track:
     faces: list[TrackedFace] = field(default_factory=list)
     embedding_sum: np.ndarray | None = None
     embedded_at: int = -(10**9)
-    #: what the caller kept of the track's best face so far (e.g. the face's region of its frame)
+    #: how many of the best embedded faces are kept ranked (``TrackerSettings.best_n``)
+    keep: int = 5
+    #: the best ``keep`` embedded faces, best first (kept as faces arrive: a long track is not re-sorted)
+    ranked: list[TrackedFace] = field(default_factory=list)
+    #: the face of highest quality so far, embedded or not (the earliest among equals)
+    top: TrackedFace | None = None
+    #: what the caller kept of ``top`` (e.g. the face's region of its frame)
     best_kept: object = None
-    best_kept_quality: float = -1.0
 
     @property
     def last(self) -> TrackedFace:
@@ -87,13 +92,12 @@ class Track:
         return self.embedding_sum / max(float(np.linalg.norm(self.embedding_sum)), 1e-12)
 
     def best(self, n: int) -> list[TrackedFace]:
-        """The ``n`` embedded faces of highest quality (earliest first among equals)."""
-        embedded = [f for f in self.faces if f.embedding is not None]
-        return sorted(embedded, key=lambda f: (-f.quality, f.frame))[:n]
+        """The ``n`` (at most ``keep``) embedded faces of highest quality, earliest first among equals."""
+        return self.ranked[:n]
 
     def best_face(self) -> TrackedFace:
         """The track's face of highest quality (embedded or not)."""
-        return max(self.faces, key=lambda f: (f.quality, -f.frame))
+        return self.top
 
     def decision_embedding(self, n: int) -> np.ndarray | None:
         """The unit mean embedding of the best ``n`` faces (None without any)."""
@@ -105,10 +109,13 @@ class Track:
 
     def add(self, face: TrackedFace) -> None:
         self.faces.append(face)
+        if self.top is None or face.quality > self.top.quality:
+            self.top = face
         if face.embedding is not None:
             e = np.asarray(face.embedding, np.float64)
             self.embedding_sum = e.copy() if self.embedding_sum is None else self.embedding_sum + e
             self.embedded_at = face.frame
+            self.ranked = sorted([*self.ranked, face], key=lambda f: (-f.quality, f.frame))[: self.keep]
 
     def wants_embedding(self, quality: float, frame: int, settings: TrackerSettings) -> bool:
         """Whether a face paired by box should be embedded (rule 2 of the module)."""
@@ -210,7 +217,7 @@ class FaceTracker:
         started = []
         for d, face in enumerate(faces):
             if pairs[d] is None:
-                pairs[d] = Track(self.next_id)
+                pairs[d] = Track(self.next_id, keep=self.settings.best_n)
                 self.next_id += 1
                 self.live.append(pairs[d])
                 started.append(pairs[d])

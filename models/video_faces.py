@@ -189,9 +189,8 @@ class VideoFaces:
         """Keep what ``keep_best`` makes of each face of this frame that is its track's best."""
         for track in self.tracker.live:
             face = track.last
-            if face.frame == frame.index and face.quality > track.best_kept_quality:
+            if face.frame == frame.index and track.top is face:
                 track.best_kept = self.keep_best(frame.image, found[face.detection])
-                track.best_kept_quality = face.quality
 
     def finish(self) -> list[Track]:
         """End the live tracks (the video ended); every track of the video, in the order they started."""

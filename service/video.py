@@ -11,7 +11,7 @@ import numpy as np
 from models.manifest import ModelManifest
 from models.tracking import Track, TrackedFace, TrackerSettings
 from models.video import VideoLimits
-from models.video_faces import TrackDecision
+from models.video_faces import TrackDecision, VideoFaces
 from service.schemas import Candidate, TrackFace, VideoTrack
 from service.settings import Settings
 
@@ -44,6 +44,22 @@ def tracker_settings(
         best_n=settings.track_best_faces,
         min_faces=min_faces or settings.track_min_faces,
     )
+
+
+def video_faces(pipeline, settings: Settings, rule: TrackerSettings, *, keep_regions: bool) -> VideoFaces:
+    """A video's faces under the settings' keyframe rule; ``keep_regions``: also keep the region of
+    each track's best face (to show an unknown person), unless face images are not stored."""
+    keep = keep_regions and settings.store_face_images
+    return VideoFaces(
+        pipeline, rule, keep_best=_face_region if keep else None, keyframe_every=settings.video_keyframe_every
+    )
+
+
+def _face_region(image: np.ndarray, face):
+    """The stored region of a face of ``image``, as the gallery keeps around enrolled faces."""
+    from service.gallery.face_images import cut_face_region
+
+    return cut_face_region(image, face.box, face.landmarks)
 
 
 def track_face(face: TrackedFace) -> TrackFace:

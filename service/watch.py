@@ -29,6 +29,7 @@ from service.video import (
     track_schema,
     track_started_data,
     tracker_settings,
+    video_faces,
     video_limits,
 )
 
@@ -69,8 +70,7 @@ class Watcher:
                  out: IO[str], unknowns=None) -> None:  # fmt: skip
         self.pipeline, self.search, self.names, self.events = pipeline, search, names, events
         self.unknowns = unknowns
-        self.keep_best = _region if unknowns is not None and settings.store_face_images else None
-        self.keyframe_every = settings.video_keyframe_every
+        self.settings = settings
         self.options, self.out = options, out
         manifest = pipeline.manifest
         self.rule = tracker_settings(settings, manifest, options.min_faces)
@@ -102,9 +102,7 @@ class Watcher:
 
     def _session(self, stop: Callable[[], bool]) -> Iterator[None]:
         """One opening of the source: frames through the tracker until it ends or breaks."""
-        faces = VideoFaces(
-            self.pipeline, self.rule, keep_best=self.keep_best, keyframe_every=self.keyframe_every
-        )
+        faces = video_faces(self.pipeline, self.settings, self.rule, keep_regions=self.unknowns is not None)
         try:
             for frame in sample_frames(self.options.source, self.limits):
                 started, ended = faces.frame(frame)
@@ -154,12 +152,6 @@ class Watcher:
             f"{len(faces.tracker.live)} live tracks, {self.decided} decided ({self.known} known)",
             end="", file=sys.stderr, flush=True,
         )  # fmt: skip
-
-
-def _region(image, face):
-    from service.gallery.face_images import cut_face_region
-
-    return cut_face_region(image, face.box, face.landmarks)
 
 
 def _model_threshold(manifest) -> float:

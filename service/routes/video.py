@@ -12,11 +12,17 @@ from models.video import VideoTooLargeError, sample_frames
 from models.video_faces import VideoFaces, decide_tracks
 from service.auth import require_read
 from service.events.stream import TRACK_ENDED, Event, EventStream
-from service.gallery.face_images import cut_face_region
 from service.routes.common import FaceWork, StrictRoute, form_files, get_face_work, openapi_body, read_form
 from service.routes.identify import chosen_threshold
 from service.schemas import ErrorResponse, VideoIdentifyResponse
-from service.video import keep_unknown_tracks, track_ended_data, track_schema, tracker_settings, video_limits
+from service.video import (
+    keep_unknown_tracks,
+    track_ended_data,
+    track_schema,
+    tracker_settings,
+    video_faces,
+    video_limits,
+)
 
 ERRORS = {code: {"model": ErrorResponse} for code in (401, 403, 413, 415, 422, 503)}
 router = APIRouter(
@@ -68,13 +74,7 @@ async def identify_video(
     manifest = work.pipeline.manifest
     rule = tracker_settings(settings, manifest, min_faces)
     state = request.app.state
-    regions = state.unknowns is not None and settings.store_face_images
-    faces = VideoFaces(
-        work.pipeline,
-        rule,
-        keep_best=_region if regions else None,
-        keyframe_every=settings.video_keyframe_every,
-    )
+    faces = video_faces(work.pipeline, settings, rule, keep_regions=state.unknowns is not None)
     frames = sample_frames(data, video_limits(settings, sample_fps), name=upload.filename or "video")
     last_time = 0.0
     try:
@@ -131,8 +131,3 @@ def _decide(state, tracks, rule, threshold: float, k: int):
     ids = sorted({h.subject_id for d in decisions for h in d.candidates})
     names = state.store.subject_names(ids)
     return decisions, [track_schema(d, names, rule.best_n) for d in decisions], short
-
-
-def _region(image, face):
-    """The stored region of a track's best face (as the gallery keeps around enrolled faces)."""
-    return cut_face_region(image, face.box, face.landmarks)
